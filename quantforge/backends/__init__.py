@@ -1,0 +1,152 @@
+"""Backends: the code that makes formats with one library each, found by name through entry points.
+
+A backend module must import its heavy library (torch, llama_cpp, gptqmodel, ...) inside its methods, never at
+module level: ``quantforge formats`` loads every backend to list what it offers, and must stay fast.
+
+Third parties add a backend by declaring an entry point in the ``quantforge.backends`` group that names a
+``Backend`` subclass; adding a format means one new module that subclasses ``Backend`` and lists its ``Format``s.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib.metadata
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, ClassVar, Protocol
+
+import numpy as np
+
+from ..errors import QuantforgeError
+
+if TYPE_CHECKING:
+    from ..source import SourceModel
+
+ENTRY_POINT_GROUP = "quantforge.backends"
+
+
+@dataclass(frozen=True)
+class Format:
+    """A user-facing format name with what it is and where it runs."""
+
+    name: str
+    family: str  # "gguf": a single .gguf file; "hf": a Hugging Face folder with quantization_config
+    scheme: str  # the name its runtime uses, e.g. "Q4_K_M" or "W4A16 g128"
+    runtimes: tuple[str, ...]
+    nominal_bits: float  # for disk estimates before anything exists; the card uses measured bits per weight
+    description: str = ""
+
+
+class LogitsRunner(Protocol):
+    """A loaded artifact that returns next-token logits for a window of token ids."""
+
+    runtime: str
+
+    def logits(self, tokens: np.ndarray) -> np.ndarray:  # [n, vocab] float32
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+@dataclass
+class QuantizeJob:
+    """Everything a backend needs to produce one artifact."""
+
+    source: "SourceModel"
+    format: Format
+    settings: dict
+    out: Path  # a temporary path; the backend creates it (a folder), the pipeline renames it when complete
+    intermediate: Callable[..., Path]  # shared, manifest-recorded intermediate files (see Pipeline.intermediate)
+    log_dir: Path  # where library output (per-tensor lines and such) goes instead of the terminal
+    threads: int = 2
+    log: Callable[[str], None] = print
+
+
+class Backend(abc.ABC):
+    """Base class for backends. Subclasses set ``name``, ``formats`` and ``requires`` and implement the hooks."""
+
+    name: ClassVar[str] = ""
+    formats: ClassVar[dict[str, Format]] = {}
+    # Importable modules this backend needs, and the pip extra that installs them.
+    requires: ClassVar[tuple[str, ...]] = ()
+    extra: ClassVar[str] = ""
+
+    def unavailable_reason(self) -> str | None:
+        """Why this backend cannot run on this host, or None. Must not import the heavy library."""
+        missing = [module for module in self.requires if importlib.util.find_spec(module) is None]
+        if missing:
+            return f"{', '.join(missing)} not installed (pip install 'quantforge[{self.extra}]')"
+        return None
+
+    def check(self, source: "SourceModel", fmt: Format, settings: dict) -> list[str]:
+        """Problems that would make quantization fail, found before any work starts."""
+        return []
+
+    @abc.abstractmethod
+    def quantize(self, job: QuantizeJob) -> dict:
+        """Write the artifact into ``job.out`` and return facts about it (settings actually used, fallbacks)."""
+
+    def artifact_file(self, artifact_dir: Path) -> Path:
+        """The file a runtime loads (for GGUF), or the folder itself (HF formats)."""
+        return artifact_dir
+
+    @abc.abstractmethod
+    def open_runner(self, artifact_dir: Path, *, context: int, threads: int) -> LogitsRunner:
+        """Load the artifact from disk for evaluation."""
+
+
+def load_backends() -> dict[str, Backend]:
+    backends: dict[str, Backend] = {}
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        cls = entry.load()
+        backend = cls()
+        backends[backend.name or entry.name] = backend
+    return backends
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One artifact of a run: a format made by a backend; ``key`` names it in the run directory and on the card."""
+
+    format: Format
+    backend: Backend
+    key: str
+
+
+def default_backend_name(format_name: str, backends: dict[str, Backend]) -> str:
+    makers = [name for name, backend in backends.items() if format_name in backend.formats]
+    # The first registered maker is the default; our own entry points are declared in the preferred order.
+    return makers[0]
+
+
+def resolve_formats(
+    names: list[str], backend_names: list[str] | None, backends: dict[str, Backend] | None = None
+) -> list[Choice]:
+    """Turn ``--formats`` and ``--backend`` into the list of artifacts to make, or raise a one-line error."""
+    backends = backends if backends is not None else load_backends()
+    known = sorted({f for backend in backends.values() for f in backend.formats})
+    for backend_name in backend_names or []:
+        if backend_name not in backends:
+            raise QuantforgeError(
+                f"unknown backend '{backend_name}'; known backends: {', '.join(sorted(backends))}"
+            )
+    choices: list[Choice] = []
+    for name in names:
+        if name not in known:
+            raise QuantforgeError(f"unknown format '{name}'; known formats: {', '.join(known)} (see 'quantforge formats')")
+        default = default_backend_name(name, backends)
+        wanted = [b for b in (backend_names or []) if name in backends[b].formats] or [default]
+        for backend_name in wanted:
+            backend = backends[backend_name]
+            key = name if backend_name == default else f"{name}@{backend_name}"
+            choices.append(Choice(backend.formats[name], backend, key))
+    if backend_names:
+        unused = [b for b in backend_names if not any(c.backend.name == b for c in choices)]
+        if unused:
+            raise QuantforgeError(
+                f"backend '{unused[0]}' makes none of the formats asked for ({', '.join(names)}); "
+                f"it makes: {', '.join(sorted(backends[unused[0]].formats))}"
+            )
+    return choices

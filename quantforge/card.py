@@ -1,0 +1,188 @@
+"""The comparison card: built from the run manifest alone, so ``quantforge card RUN_DIR`` re-decides in a second.
+
+card.json (schema ``quantforge.card/1``):
+    model        source facts (name, origin, Hub id and revision, architecture, parameters)
+    evaluation   text (name, source, sha256), context, windows, tokens scored, scoring convention
+    reference    the unquantized model's measurements
+    formats[]    key, format, scheme, backend, family, runtimes, artifact, size_bytes, bits_per_weight,
+                 metrics (perplexity, perplexity_increase_pct, kld_mean, kld_p99, top1_agreement, ...),
+                 how (runtime, threads, seconds), quantize facts (fallbacks, tensor types)
+    targets      the targets the decision used
+    decision     recommended, verdicts[] (key, outcome, reason, checks), best_per_family, closest
+    provenance   quantforge version, host, per-stage timings and input digests
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from . import __version__
+from .decide import Candidate, Decision, Targets, decide
+from .errors import QuantforgeError
+from .fsutil import atomic_write_json, atomic_write_text
+from .manifest import MANIFEST_NAME, Manifest
+
+CARD_SCHEMA = "quantforge.card/1"
+CONVENTION = (
+    "GPTQ/AutoRound convention: text joined and tokenized once, non-overlapping windows of the context length, "
+    "every position after the first of each window scored"
+)
+
+
+def _format_entries(manifest: Manifest) -> list[dict]:
+    plan = manifest.data.get("plan", {})
+    reference = manifest.stage("reference")["result"]
+    entries = []
+    for key, info in plan.get("artifacts", {}).items():
+        quantized = manifest.stage(f"quantize/{key}")
+        evaluated = manifest.stage(f"evaluate/{key}")
+        entry = {**info, "key": key, "complete": bool(quantized and evaluated)}
+        if quantized:
+            facts = quantized["result"]
+            entry.update(
+                artifact=next(iter(quantized["outputs"])),
+                size_bytes=facts["size_bytes"],
+                bits_per_weight=facts["bits_per_weight"],
+                quantize={k: v for k, v in facts.items() if k not in ("size_bytes", "bits_per_weight")},
+                quantize_seconds=quantized["seconds"],
+            )
+        if evaluated:
+            result = evaluated["result"]
+            metrics = {k: result[k] for k in ("perplexity", "perplexity_stderr", "kld_mean", "kld_median", "kld_p99",
+                                              "top1_agreement", "tokens_scored") if k in result}
+            metrics["perplexity_increase_pct"] = 100.0 * (result["perplexity"] / reference["perplexity"] - 1.0)
+            entry["metrics"] = metrics
+            entry["how"] = {k: result.get(k) for k in ("runtime", "threads", "flash_attn", "eval_seconds",
+                                                        "eval_tokens_per_second")}
+        entries.append(entry)
+    return entries
+
+
+def build_card(run_dir: Path, targets: Targets) -> dict:
+    manifest = Manifest.open(run_dir)
+    if not manifest.path.exists() or "plan" not in manifest.data:
+        raise QuantforgeError(f"{run_dir} holds no quantforge run ({MANIFEST_NAME} is missing); run 'quantforge build'")
+    if not manifest.stage("reference"):
+        command = manifest.data["plan"].get("command", "quantforge build ...")
+        raise QuantforgeError(f"{run_dir} is unfinished: the reference was not evaluated; rerun: {command}")
+    entries = _format_entries(manifest)
+    candidates = [
+        Candidate(e["key"], e["family"], tuple(e["runtimes"]), e["bits_per_weight"], e["size_bytes"], e["metrics"])
+        for e in entries
+        if e["complete"]
+    ]
+    decision = decide(candidates, targets)
+    plan = manifest.data["plan"]
+    reference = manifest.stage("reference")
+    return {
+        "schema": CARD_SCHEMA,
+        "model": manifest.stage("fetch")["result"] | {"parameters": plan.get("parameters")},
+        "evaluation": {**plan.get("evaluation", {}), "convention": CONVENTION},
+        "reference": reference["result"],
+        "formats": entries,
+        "incomplete": [e["key"] for e in entries if not e["complete"]],
+        "targets": targets.to_json(),
+        "decision": decision.to_json(),
+        "provenance": {
+            "quantforge_version": __version__,
+            "command": plan.get("command"),
+            "run_dir": str(run_dir),
+            "stages": {
+                key: {"seconds": s.get("seconds"), "input_digest": s.get("input_digest"), "started": s.get("started"),
+                      "host": s.get("host")}
+                for key, s in manifest.stages.items()
+            },
+        },
+    }
+
+
+def _size(size_bytes: int) -> str:
+    return f"{size_bytes / 1e6:.1f} MB" if size_bytes < 1e9 else f"{size_bytes / 1e9:.2f} GB"
+
+
+def _num(value, digits=3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def render_markdown(card: dict) -> str:
+    model = card["model"]
+    ev = card["evaluation"]
+    ref = card["reference"]
+    decision = card["decision"]
+    lines = [
+        f"# quantforge card: {model['name']}",
+        "",
+        f"Source: {model.get('hub_id') or model['origin']} ({model['config']['architecture']}, "
+        f"{card['model'].get('parameters') or 0:,} parameters)",
+        "",
+        "## Recommendation",
+        "",
+    ]
+    if decision["recommended"]:
+        winner = next(v for v in decision["verdicts"] if v["key"] == decision["recommended"])
+        lines.append(f"**{decision['recommended']}**: {winner['reason']}.")
+    else:
+        lines.append(f"**No format meets the targets.** {decision.get('closest') or ''}")
+    if decision["best_per_family"]:
+        best = ", ".join(f"{family}: {key}" for family, key in sorted(decision["best_per_family"].items()))
+        lines.append(f"Best per runtime family: {best}.")
+    lines += ["", "| format | outcome | why |", "|---|---|---|"]
+    lines += [f"| {v['key']} | {v['outcome']} | {v['reason']} |" for v in decision["verdicts"]]
+    lines += [
+        "",
+        "## Measurements",
+        "",
+        "| format | scheme | size | bits/weight | perplexity | change | KLD mean | KLD p99 | top-1 agree | runtime |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| reference | float | | | {_num(ref['perplexity'])} | | | | | transformers |",
+    ]
+    for entry in card["formats"]:
+        if not entry["complete"]:
+            lines.append(f"| {entry['key']} | {entry['scheme']} | incomplete | | | | | | | |")
+            continue
+        m = entry["metrics"]
+        lines.append(
+            f"| {entry['key']} | {entry['scheme']} | {_size(entry['size_bytes'])} | {entry['bits_per_weight']:.2f} | "
+            f"{_num(m.get('perplexity'))} | {m['perplexity_increase_pct']:+.2f}% | {_num(m.get('kld_mean'), 4)} | "
+            f"{_num(m.get('kld_p99'), 4)} | {_num(m.get('top1_agreement'), 3)} | {entry['how']['runtime']} |"
+        )
+    text = ev.get("text", {})
+    targets = {k: v for k, v in card["targets"].items() if v is not None}
+    lines += [
+        "",
+        "## How these figures were made",
+        "",
+        f"- Text: {text.get('name')} ({text.get('source')}; sha256 {str(text.get('sha256'))[:12]}), "
+        f"{ev.get('windows')} windows of {ev.get('context')} tokens, {ref.get('tokens_scored')} tokens scored.",
+        f"- {ev['convention']}. llama.cpp's llama-perplexity scores only the second half of each window: its "
+        "figures are not comparable with these.",
+        "- KL divergence: reference top-128 distribution plus the remaining mass against the artifact's, per token.",
+        "- Every artifact was loaded from disk in its own runtime; llama.cpp ran with flash attention off and "
+        "OMP_WAIT_POLICY=PASSIVE.",
+        f"- Bits per weight: tensor bytes in the artifact x 8 / parameters of the unquantized model.",
+        f"- Targets: {', '.join(f'{k}={v}' for k, v in targets.items())}.",
+    ]
+    for entry in card["formats"]:
+        quantize = entry.get("quantize") or {}
+        if quantize.get("fallback_tensors"):
+            lines.append(
+                f"- {entry['key']}: llama.cpp fell back to another type for {quantize['fallback_tensors']} tensors "
+                "(widths not a multiple of the K-quant super-block of 256)."
+            )
+    if card["incomplete"]:
+        lines.append(f"- Incomplete (rerun the build to finish): {', '.join(card['incomplete'])}.")
+    lines += ["", f"quantforge {card['provenance']['quantforge_version']}: `{card['provenance']['command']}`", ""]
+    return "\n".join(lines)
+
+
+def write_card(run_dir: Path, targets: Targets) -> dict:
+    card = build_card(run_dir, targets)
+    atomic_write_json(run_dir / "card.json", card)
+    atomic_write_text(run_dir / "card.md", render_markdown(card))
+    return card
+
+
+def stored_targets(run_dir: Path) -> Targets:
+    data = json.loads((run_dir / MANIFEST_NAME).read_text()).get("plan", {}).get("targets") or {}
+    return Targets(**data)

@@ -1,0 +1,167 @@
+"""The ``quantforge`` command. Heavy libraries are imported inside the commands that need them, never here."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import sys
+from pathlib import Path
+
+import click
+
+from . import __version__
+from .errors import QuantforgeError
+
+
+def _split(value: str | None) -> list[str] | None:
+    if not value:
+        return None
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def _quiet_libraries() -> None:
+    """Keep library chatter (per-tensor logs, advice banners) out of the user's terminal."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    os.environ.setdefault("TORCH_LOGS", "-all")  # torch's own log handler: errors only
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # ours are rich bars; theirs would interleave
+    for name in ("torch", "torchao", "transformers", "datasets", "huggingface_hub", "accelerate"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+class QuantforgeGroup(click.Group):
+    """Turns QuantforgeError into one line on stderr and exit code 2."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except QuantforgeError as exc:
+            click.echo(f"error: {exc}", err=True)
+            ctx.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            click.echo("interrupted: finished stages are kept; run the same command again to resume", err=True)
+            ctx.exit(130)
+
+
+@click.group(cls=QuantforgeGroup)
+@click.version_option(__version__, prog_name="quantforge")
+def main() -> None:
+    """Quantize a causal LM into deployable formats, measure each one, and recommend which to ship."""
+    _quiet_libraries()
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option("--formats", help="Comma-separated formats (see 'quantforge formats'). Default: the recipe's, or "
+              "gguf-q8_0,gguf-q5km,gguf-q4km.")
+@click.option("--backend", "backends", help="Comma-separated backends, where more than one can make a format.")
+@click.option("--out", type=click.Path(path_type=Path), help="Run directory. Default: runs/<model name>.")
+@click.option("--recipe", "recipe_file", type=click.Path(path_type=Path), help="A recipe YAML file.")
+@click.option("--force", is_flag=True, help="Redo every stage, even those finished with the same inputs.")
+@click.option("--eval-text", help="Perplexity text: a name (wikitext2, pydoc; 'auto' = wikitext2 if it can be "
+              "had, else pydoc) or a local .txt/.jsonl file.")
+@click.option("--ppl-context", type=int, help="Tokens per perplexity window (default 512).")
+@click.option("--ppl-windows", type=int, help="Number of perplexity windows (default 16).")
+@click.option("--max-ppl-increase", type=float, help="Target: largest perplexity increase in percent (default 5).")
+@click.option("--max-kld", type=float, help="Target: largest mean KL divergence against the reference.")
+@click.option("--min-top1-agreement", type=float, help="Target: smallest top-1 token agreement (0-1).")
+@click.option("--threads", type=int, help="CPU threads for quantization and evaluation (default: all cores).")
+@click.option("--allow-pickle", is_flag=True, help="Allow pickle (.bin) weights, which can run code when loaded.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow the model repo's own Python code to run.")
+@click.option("--json", "as_json", is_flag=True, help="Print the card as JSON on stdout.")
+def build(model, formats, backends, out, recipe_file, force, eval_text, ppl_context, ppl_windows, max_ppl_increase,
+          max_kld, min_top1_agreement, threads, allow_pickle, trust_remote_code, as_json):
+    """Fetch MODEL (a recipe, Hub id, local folder or bundled model), quantize, evaluate, write the card."""
+    from .pipeline import BuildRequest
+    from .pipeline import build as run_build
+    from .ui import UI
+
+    if max_ppl_increase is not None and max_ppl_increase < 0:
+        raise QuantforgeError("--max-ppl-increase must be 0 or more (a percentage)")
+    request = BuildRequest(
+        model=model, formats=_split(formats), backends=_split(backends), out=out, recipe_file=recipe_file,
+        force=force, eval_text=eval_text, ppl_context=ppl_context, ppl_windows=ppl_windows,
+        max_ppl_increase=max_ppl_increase, max_kld=max_kld, min_top1_agreement=min_top1_agreement, threads=threads,
+        allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
+        command="quantforge " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+    )
+    ui = UI()
+    card = run_build(request, ui)
+    _print_card(card, as_json, ui)
+
+
+def _print_card(card: dict, as_json: bool, ui) -> None:
+    if as_json:
+        click.echo(json.dumps(card, indent=2))
+        return
+    decision = card["decision"]
+    ui.log("")
+    for verdict in decision["verdicts"]:
+        marker = "[green]✔[/green]" if verdict["outcome"] == "recommended" else "·"
+        ui.log(f"{marker} {verdict['key']}: {verdict['reason']}")
+    if decision["recommended"]:
+        click.echo(f"recommended: {decision['recommended']}")
+    else:
+        click.echo(f"recommended: none ({decision.get('closest')})")
+    click.echo(f"card: {Path(card['provenance'].get('run_dir', '.')) / 'card.md'}")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+def formats(as_json):
+    """List every known format, its backend, and whether it can run on this host."""
+    from .backends import default_backend_name, load_backends
+
+    backends = load_backends()
+    rows = []
+    for backend_name, backend in backends.items():
+        reason = backend.unavailable_reason()
+        for name, fmt in backend.formats.items():
+            rows.append({
+                "format": name, "backend": backend_name, "default": default_backend_name(name, backends) == backend_name,
+                "scheme": fmt.scheme, "family": fmt.family, "runtimes": list(fmt.runtimes),
+                "available": reason is None, "reason": reason,
+            })
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    for row in rows:
+        state = "ready" if row["available"] else f"unavailable: {row['reason']}"
+        default = "" if row["default"] else " (alternative backend)"
+        click.echo(f"{row['format']:<14} {row['backend']:<12} {row['scheme']:<10} "
+                   f"{'/'.join(row['runtimes']):<22} {state}{default}")
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--max-ppl-increase", type=float, help="New target: largest perplexity increase in percent.")
+@click.option("--max-kld", type=float, help="New target: largest mean KL divergence.")
+@click.option("--min-top1-agreement", type=float, help="New target: smallest top-1 agreement (0-1).")
+@click.option("--runtime", type=click.Choice(["any", "llama.cpp", "ollama", "vllm", "transformers"]),
+              help="Count only formats that run in this runtime.")
+@click.option("--json", "as_json", is_flag=True, help="Print the card as JSON.")
+def card(run_dir, max_ppl_increase, max_kld, min_top1_agreement, runtime, as_json):
+    """Re-render the card of a finished run from its stored measurements (optionally with new targets)."""
+    from dataclasses import replace
+
+    from .card import stored_targets, write_card
+    from .ui import UI
+
+    if not (run_dir / "run.json").exists():
+        raise QuantforgeError(f"{run_dir} holds no quantforge run (no run.json); run 'quantforge build' first")
+    if max_ppl_increase is not None and max_ppl_increase < 0:
+        raise QuantforgeError("--max-ppl-increase must be 0 or more (a percentage)")
+    targets = stored_targets(run_dir)
+    overrides = {k: v for k, v in {"max_ppl_increase": max_ppl_increase, "max_kld": max_kld,
+                                   "min_top1_agreement": min_top1_agreement, "runtime": runtime}.items()
+                 if v is not None}
+    result = write_card(run_dir, replace(targets, **overrides))
+    _print_card(result, as_json, UI())
+
+
+if __name__ == "__main__":
+    main()

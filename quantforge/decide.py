@@ -1,0 +1,163 @@
+"""The recommendation, as a pure function of measurements and targets: no torch, no files, no network.
+
+Formats are ordered by how aggressive they are, measured from the artifact (effective bits per weight over all
+tensors), not by name. The least aggressive format that meets every target wins, so INT8 beats INT4 whenever INT8
+is good enough. A target whose metric was not measured is "unverified" and never counts as met.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class Candidate:
+    key: str  # the artifact's name in the run, e.g. "gguf-q4km" or "gguf-q4km@autoround"
+    family: str  # "gguf" or "hf"
+    runtimes: tuple[str, ...]
+    bits_per_weight: float
+    size_bytes: int
+    metrics: dict  # perplexity_increase_pct, kld_mean, top1_agreement, ... (absent when not measured)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One limit on one metric: ``metric`` must be <= ``limit`` (``upper``) or >= ``limit``."""
+
+    name: str  # the flag users know it by
+    metric: str
+    limit: float
+    upper: bool
+    unit: str = ""
+
+    def describe(self, value: float) -> str:
+        sign = "<=" if self.upper else ">="
+        return f"{self.metric} {_fmt(value)}{self.unit} (target {sign} {_fmt(self.limit)}{self.unit})"
+
+
+@dataclass
+class Targets:
+    max_ppl_increase: float | None = 5.0
+    max_kld: float | None = None
+    min_top1_agreement: float | None = None
+    max_size_gb: float | None = None
+    runtime: str = "any"
+
+    def limits(self) -> list[Target]:
+        limits = []
+        if self.max_ppl_increase is not None:
+            limits.append(Target("max_ppl_increase", "perplexity_increase_pct", self.max_ppl_increase, True, "%"))
+        if self.max_kld is not None:
+            limits.append(Target("max_kld", "kld_mean", self.max_kld, True))
+        if self.min_top1_agreement is not None:
+            limits.append(Target("min_top1_agreement", "top1_agreement", self.min_top1_agreement, False))
+        if self.max_size_gb is not None:
+            limits.append(Target("max_size_gb", "size_gb", self.max_size_gb, True, " GB"))
+        return limits
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Verdict:
+    key: str
+    outcome: str  # "recommended", "meets targets", "misses targets", "excluded"
+    reason: str
+    checks: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Decision:
+    recommended: str | None
+    verdicts: list[Verdict]  # in order of aggressiveness, least aggressive first
+    best_per_family: dict[str, str]
+    closest: str | None = None  # when nothing meets the targets: which format came nearest, and how
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _fmt(value: float) -> str:
+    if value == 0 or abs(value) >= 100:
+        return f"{value:.1f}"
+    if abs(value) >= 1:
+        return f"{value:.2f}"
+    return f"{value:.4g}"
+
+
+def _value(candidate: Candidate, metric: str) -> float | None:
+    if metric == "size_gb":
+        return candidate.size_bytes / 1e9
+    return candidate.metrics.get(metric)
+
+
+def _check(candidate: Candidate, target: Target) -> dict:
+    value = _value(candidate, target.metric)
+    if value is None:
+        return {"target": target.name, "metric": target.metric, "value": None, "limit": target.limit, "met": None}
+    met = value <= target.limit if target.upper else value >= target.limit
+    return {"target": target.name, "metric": target.metric, "value": value, "limit": target.limit, "met": met}
+
+
+def _miss_ratio(check: dict, target: Target) -> float:
+    """How far a missed target is from being met, as a fraction of its limit (0 = met, inf = unmeasured)."""
+    if check["met"] is None:
+        return float("inf")
+    if check["met"]:
+        return 0.0
+    scale = abs(target.limit) or 1.0
+    return abs(check["value"] - target.limit) / scale
+
+
+def decide(candidates: list[Candidate], targets: Targets) -> Decision:
+    limits = targets.limits()
+    by_name = {t.name: t for t in limits}
+    eligible, verdicts = [], []
+    for candidate in candidates:
+        if targets.runtime != "any" and targets.runtime not in candidate.runtimes:
+            verdicts.append(Verdict(candidate.key, "excluded", f"does not run in {targets.runtime}"))
+        else:
+            eligible.append(candidate)
+    # Least aggressive first; the key breaks ties so the order never depends on input order.
+    eligible.sort(key=lambda c: (-c.bits_per_weight, c.key))
+    ranked: list[Verdict] = []
+    recommended = None
+    best_per_family: dict[str, str] = {}
+    for candidate in eligible:
+        checks = [_check(candidate, target) for target in limits]
+        failed = [c for c in checks if c["met"] is not True]
+        if not failed:
+            best_per_family.setdefault(candidate.family, candidate.key)
+            if recommended is None:
+                recommended = candidate
+                reason = "least aggressive format that meets every target" + (
+                    f" ({candidate.bits_per_weight:.2f} bits/weight)"
+                )
+                ranked.append(Verdict(candidate.key, "recommended", reason, checks))
+            else:
+                reason = (
+                    f"more aggressive than needed: {candidate.bits_per_weight:.2f} bits/weight where "
+                    f"{recommended.key} ({recommended.bits_per_weight:.2f}) already meets the targets"
+                )
+                ranked.append(Verdict(candidate.key, "meets targets", reason, checks))
+            continue
+        reasons = []
+        for check in failed:
+            target = by_name[check["target"]]
+            if check["met"] is None:
+                reasons.append(f"{target.metric} unverified (not measured), target {target.name}")
+            else:
+                reasons.append("missed " + target.describe(check["value"]))
+        ranked.append(Verdict(candidate.key, "misses targets", "; ".join(reasons), checks))
+    closest = None
+    if recommended is None and ranked:
+        def worst_miss(verdict: Verdict) -> float:
+            return max((_miss_ratio(c, by_name[c["target"]]) for c in verdict.checks), default=0.0)
+
+        nearest = min(ranked, key=worst_miss)
+        if worst_miss(nearest) != float("inf"):
+            closest = f"{nearest.key} comes closest: {nearest.reason}"
+        else:
+            closest = "no format has every targeted metric measured"
+    return Decision(recommended.key if recommended else None, ranked + verdicts, best_per_family, closest)

@@ -1,0 +1,183 @@
+"""Perplexity and distribution shift, computed the same way for the reference and for every artifact.
+
+Convention (GPTQ/AutoRound): the text is joined, tokenized once (no special tokens added), cut into
+non-overlapping windows of the context length, and every position of every window after the first token is
+scored (mean token negative log-likelihood; perplexity is its exponential). llama.cpp's ``llama-perplexity``
+scores only the second half of each window, so its figures differ; the card says which convention it used.
+
+The reference's next-token distribution is stored compactly (its top-K log-probabilities and the mass left over),
+so every artifact is compared with it without recomputing the reference. KL divergence is computed between the
+reference's top-K-plus-rest distribution and the artifact's distribution grouped the same way: exact in the limit
+of large K and a lower bound otherwise (grouping never increases KL); with K=128 the rest holds a tiny share.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .errors import QuantforgeError
+
+TOP_K = 128
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    text: str = "auto"
+    context: int = 512
+    windows: int = 16
+
+    def to_json(self) -> dict:
+        return {"text": self.text, "context": self.context, "windows": self.windows}
+
+
+def make_windows(token_ids: np.ndarray, context: int, windows: int) -> np.ndarray:
+    """The first ``windows`` non-overlapping windows of ``context`` tokens, as an int32 array [windows, context]."""
+    available = len(token_ids) // context
+    if available < windows:
+        raise QuantforgeError(
+            f"the evaluation text has {len(token_ids)} tokens: enough for {available} windows of {context}, "
+            f"not {windows}; lower --ppl-windows or --ppl-context, or use a longer text"
+        )
+    return np.asarray(token_ids[: windows * context], dtype=np.int32).reshape(windows, context)
+
+
+def tokenize_text(tokenizer_dir: Path, text: str) -> np.ndarray:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    logits = logits.astype(np.float64, copy=False)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+@dataclass
+class ReferenceWindow:
+    """What is kept of the reference's prediction at each scored position of one window."""
+
+    nll: np.ndarray  # [n] float64
+    top_ids: np.ndarray  # [n, K] int32, most likely first
+    top_logp: np.ndarray  # [n, K] float32
+
+
+ROW_CHUNK = 128  # positions per log-softmax: bounds float64 scratch memory for large vocabularies
+
+
+def _row_chunks(logits: np.ndarray, tokens: np.ndarray):
+    """(log-probs, targets) for the scored positions of a window, a few rows at a time."""
+    scored = len(tokens) - 1
+    for start in range(0, scored, ROW_CHUNK):
+        stop = min(start + ROW_CHUNK, scored)
+        yield log_softmax(logits[start:stop]), tokens[start + 1 : stop + 1]
+
+
+def reference_window(logits: np.ndarray, tokens: np.ndarray, top_k: int = TOP_K) -> ReferenceWindow:
+    nll, ids, vals = [], [], []
+    for logp, targets in _row_chunks(logits, tokens):
+        nll.append(-logp[np.arange(len(targets)), targets])
+        top = np.argpartition(-logp, top_k, axis=-1)[:, :top_k]
+        top_vals = np.take_along_axis(logp, top, axis=-1)
+        order = np.argsort(-top_vals, axis=-1)
+        ids.append(np.take_along_axis(top, order, axis=-1).astype(np.int32))
+        vals.append(np.take_along_axis(top_vals, order, axis=-1).astype(np.float32))
+    return ReferenceWindow(np.concatenate(nll), np.concatenate(ids), np.concatenate(vals))
+
+
+def compare_window(logits: np.ndarray, tokens: np.ndarray, ref: ReferenceWindow) -> dict[str, np.ndarray]:
+    """Per-position NLL, KL(reference || artifact) and whether the top token agrees."""
+    nll, kld, agree = [], [], []
+    start = 0
+    for logq, targets in _row_chunks(logits, tokens):
+        rows = slice(start, start + len(targets))
+        start += len(targets)
+        top_ids, top_logp = ref.top_ids[rows].astype(np.int64), ref.top_logp[rows].astype(np.float64)
+        nll.append(-logq[np.arange(len(targets)), targets])
+        q_top_logp = np.take_along_axis(logq, top_ids, axis=-1)
+        p_rest = np.clip(1.0 - np.exp(top_logp).sum(axis=-1), 1e-12, None)
+        q_rest = np.clip(1.0 - np.exp(q_top_logp).sum(axis=-1), 1e-12, None)
+        divergence = (np.exp(top_logp) * (top_logp - q_top_logp)).sum(axis=-1)
+        divergence += p_rest * (np.log(p_rest) - np.log(q_rest))
+        kld.append(np.maximum(divergence, 0.0))
+        agree.append(logq.argmax(axis=-1) == top_ids[:, 0])
+    return {"nll": np.concatenate(nll), "kld": np.concatenate(kld), "agree": np.concatenate(agree)}
+
+
+def summarize(nll: np.ndarray, kld: np.ndarray | None = None, agree: np.ndarray | None = None) -> dict:
+    mean_nll = float(np.mean(nll))
+    summary = {
+        "perplexity": float(np.exp(mean_nll)),
+        "nll_mean": mean_nll,
+        # Standard error of the mean NLL carried to perplexity (delta method), as llama.cpp reports it.
+        "perplexity_stderr": float(np.exp(mean_nll) * np.std(nll) / np.sqrt(len(nll))),
+        "tokens_scored": int(len(nll)),
+    }
+    if kld is not None:
+        summary.update(
+            kld_mean=float(np.mean(kld)),
+            kld_p99=float(np.percentile(kld, 99)),
+            kld_median=float(np.median(kld)),
+            top1_agreement=float(np.mean(agree)),
+        )
+    return summary
+
+
+def save_reference(path: Path, windows: list[ReferenceWindow]) -> None:
+    from .fsutil import atomic_output
+
+    with atomic_output(path) as tmp:
+        with open(tmp, "wb") as handle:
+            np.savez(
+                handle,
+                nll=np.stack([w.nll for w in windows]),
+                top_ids=np.stack([w.top_ids for w in windows]),
+                top_logp=np.stack([w.top_logp for w in windows]),
+            )
+
+
+def load_reference(path: Path) -> list[ReferenceWindow]:
+    data = np.load(path)
+    return [ReferenceWindow(data["nll"][i], data["top_ids"][i], data["top_logp"][i]) for i in range(len(data["nll"]))]
+
+
+def score_reference(
+    logits_fn: Callable[[np.ndarray], np.ndarray], windows: np.ndarray, on_window: Callable[[int], None] | None = None
+) -> tuple[list[ReferenceWindow], dict]:
+    started = time.perf_counter()
+    refs = []
+    for index, window in enumerate(windows):
+        refs.append(reference_window(logits_fn(window), window))
+        if on_window:
+            on_window(index + 1)
+    seconds = time.perf_counter() - started
+    summary = summarize(np.concatenate([r.nll for r in refs]))
+    summary["eval_seconds"] = round(seconds, 3)
+    summary["eval_tokens_per_second"] = round(windows.size / seconds, 1) if seconds else None
+    return refs, summary
+
+
+def score_artifact(
+    logits_fn: Callable[[np.ndarray], np.ndarray],
+    windows: np.ndarray,
+    refs: list[ReferenceWindow],
+    on_window: Callable[[int], None] | None = None,
+) -> dict:
+    started = time.perf_counter()
+    parts: dict[str, list[np.ndarray]] = {"nll": [], "kld": [], "agree": []}
+    for index, (window, ref) in enumerate(zip(windows, refs)):
+        for key, value in compare_window(logits_fn(window), window, ref).items():
+            parts[key].append(value)
+        if on_window:
+            on_window(index + 1)
+    seconds = time.perf_counter() - started
+    summary = summarize(*(np.concatenate(parts[key]) for key in ("nll", "kld", "agree")))
+    summary["eval_seconds"] = round(seconds, 3)
+    summary["eval_tokens_per_second"] = round(windows.size / seconds, 1) if seconds else None
+    return summary

@@ -1,0 +1,18 @@
+"""Where the project's definition folders live (recipes/, calibration/, evals/), next to the package."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def definition_dirs(kind: str) -> list[Path]:
+    """Folders searched for definitions of ``kind`` ("recipes", "calibration", "evals/text", "evals/tasks").
+
+    QUANTFORGE_PATH (os.pathsep-separated project roots) comes first, so a team can keep its own recipes.
+    """
+    roots = [Path(p) for p in os.environ.get("QUANTFORGE_PATH", "").split(os.pathsep) if p]
+    roots.append(PROJECT_ROOT)
+    return [root / kind for root in roots if (root / kind).is_dir()]

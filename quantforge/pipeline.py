@@ -1,0 +1,305 @@
+"""``quantforge build``: fetch -> tokens -> reference -> quantize[fmt] -> evaluate[fmt] -> card.
+
+Each stage is a plain function run through ``manifest.run_stage``: it declares its inputs (upstream digests and
+settings) and its output files, writes them atomically, and is skipped on a re-run when its inputs are unchanged
+and its outputs are still on disk. The card is re-rendered from the manifest at the end of every build.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import __version__
+from .artifacts import parameter_count
+from .backends import Choice, QuantizeJob, load_backends, resolve_formats
+from .card import write_card
+from .decide import Targets
+from .errors import QuantforgeError
+from .evaluate import EvalSettings, load_reference, make_windows, save_reference, score_artifact, score_reference
+from .fsutil import atomic_output, atomic_write_json
+from .manifest import Manifest, RunLock, clean_partials, run_stage
+from .recipes import Recipe, find_recipe, known_recipes, load_recipe
+from .source import ModelSpec, SourceModel, fetch, parse_model_ref
+from .ui import UI
+
+DEFAULT_FORMATS = ["gguf-q8_0", "gguf-q5km", "gguf-q4km"]
+
+
+@dataclass
+class BuildRequest:
+    """What the user asked for on the command line; None means "use the recipe's value or the default"."""
+
+    model: str | None
+    formats: list[str] | None = None
+    backends: list[str] | None = None
+    out: Path | None = None
+    recipe_file: Path | None = None
+    force: bool = False
+    eval_text: str | None = None
+    ppl_context: int | None = None
+    ppl_windows: int | None = None
+    max_ppl_increase: float | None = None
+    max_kld: float | None = None
+    min_top1_agreement: float | None = None
+    threads: int | None = None
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+    command: str = "quantforge build"
+
+
+@dataclass
+class Plan:
+    """Everything resolved from the request before any heavy work: errors in it cost the user nothing."""
+
+    spec: ModelSpec
+    recipe: Recipe | None
+    choices: list[Choice]
+    eval: EvalSettings
+    targets: Targets
+    run_dir: Path
+    threads: int
+    request: BuildRequest
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {
+            "command": self.request.command,
+            "model": {"kind": self.spec.kind, "target": self.spec.target, "name": self.spec.name,
+                      "revision": self.spec.revision},
+            "recipe": self.recipe.to_json() if self.recipe else None,
+            "artifacts": {
+                c.key: {"format": c.format.name, "scheme": c.format.scheme, "backend": c.backend.name,
+                        "family": c.format.family, "runtimes": list(c.format.runtimes)}
+                for c in self.choices
+            },
+            "eval_settings": self.eval.to_json(),
+            "targets": self.targets.to_json(),
+            "threads": self.threads,
+            "trust_remote_code": self.request.trust_remote_code,
+            "allow_pickle": self.request.allow_pickle,
+        }
+
+
+def _first(*values):
+    return next((v for v in values if v is not None), None)
+
+
+def make_plan(request: BuildRequest) -> Plan:
+    recipe = None
+    if request.recipe_file is not None:
+        recipe = load_recipe(request.recipe_file)
+    elif request.model in known_recipes():
+        recipe = find_recipe(request.model)
+    if request.model is None and recipe is None:
+        raise QuantforgeError("name a model (a recipe, a Hub id, a local folder) or pass --recipe FILE")
+    if recipe is not None and (request.model is None or request.model == recipe.name):
+        spec = parse_model_ref(recipe.model, name=recipe.name, revision=recipe.revision)
+    else:
+        spec = parse_model_ref(request.model)
+    if spec.kind == "unknown":
+        raise QuantforgeError(
+            f"unknown model '{spec.target}': not a recipe ({', '.join(sorted(known_recipes()))}), "
+            "not an existing folder, and not a Hub id of the form org/name"
+        )
+    recipe_eval = recipe.eval if recipe else {}
+    recipe_targets = recipe.targets if recipe else {}
+    formats = request.formats or (recipe.formats if recipe else None) or DEFAULT_FORMATS
+    backends = request.backends or (recipe.backends if recipe else None) or None
+    choices = resolve_formats(formats, backends, load_backends())
+    eval_settings = EvalSettings(
+        text=_first(request.eval_text, recipe_eval.get("text"), "auto"),
+        context=_first(request.ppl_context, recipe_eval.get("context"), 512),
+        windows=_first(request.ppl_windows, recipe_eval.get("windows"), 16),
+    )
+    if eval_settings.context < 16 or eval_settings.windows < 1:
+        raise QuantforgeError("--ppl-context must be at least 16 tokens and --ppl-windows at least 1")
+    targets = Targets(
+        max_ppl_increase=_first(request.max_ppl_increase, recipe_targets.get("max_ppl_increase"), 5.0),
+        max_kld=_first(request.max_kld, recipe_targets.get("max_kld")),
+        min_top1_agreement=_first(request.min_top1_agreement, recipe_targets.get("min_top1_agreement")),
+    )
+    run_dir = (request.out or Path("runs") / spec.name).resolve()
+    threads = request.threads or recipe_eval.get("threads") or os.cpu_count() or 1
+    for choice in choices:
+        reason = choice.backend.unavailable_reason()
+        if reason:
+            raise QuantforgeError(f"format {choice.format.name} needs backend {choice.backend.name}: {reason}")
+    return Plan(spec, recipe, choices, eval_settings, targets, run_dir, threads, request)
+
+
+class Build:
+    """One build of one model into a run directory."""
+
+    def __init__(self, plan: Plan, ui: UI):
+        self.plan = plan
+        self.ui = ui
+        self.run_dir = plan.run_dir
+        self.manifest: Manifest | None = None
+        self.source: SourceModel | None = None
+        self._forced: set[str] = set()
+
+    # -- stage plumbing ---------------------------------------------------------------------------------------
+
+    def stage(self, key: str, description: str, *, inputs: dict, settings: dict, outputs: list[Path], produce):
+        force = self.plan.request.force and key not in self._forced
+        self._forced.add(key)
+        result = run_stage(self.manifest, key, inputs=inputs, settings=settings, outputs=outputs, produce=produce,
+                           force=force)
+        if result.skipped and description:
+            self.ui.skipped(description)
+        return result
+
+    def digest(self, key: str) -> str:
+        return self.manifest.output_digest(key)
+
+    # -- stages -----------------------------------------------------------------------------------------------
+
+    def fetch(self) -> SourceModel:
+        spec = self.plan.spec
+        source_json = self.run_dir / "source.json"
+
+        def produce():
+            with self.ui.task(f"fetch {spec.target}"):
+                source = fetch(spec, allow_pickle=self.plan.request.allow_pickle,
+                               trust_remote_code=self.plan.request.trust_remote_code, log=self.ui.log)
+            atomic_write_json(source_json, source.to_json())
+            return source.to_json()
+
+        # Fetching is always re-checked (cheap: cached downloads, remembered hashes), so a changed local folder
+        # or a moved Hub revision reaches every downstream stage through this stage's output digest.
+        self.manifest.stages.pop("fetch", None)
+        result = self.stage("fetch", "fetch", inputs={"spec": spec.__dict__}, settings={}, outputs=[source_json],
+                            produce=produce)
+        return SourceModel.from_json(result.result)
+
+    def check_backends(self) -> None:
+        problems = []
+        for choice in self.plan.choices:
+            problems += [f"{choice.key}: {p}" for p in choice.backend.check(self.source, choice.format, {})]
+        if problems:
+            raise QuantforgeError(problems[0] + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""))
+
+    def tokens(self) -> np.ndarray:
+        from .evaluate import tokenize_text
+        from .textdata import load_text
+
+        settings = self.plan.eval
+        text = load_text(settings.text)
+        path = self.run_dir / "work" / "eval-windows.npy"
+        self.manifest.data["plan"]["evaluation"] = {**settings.to_json(), "text": text.describe()}
+
+        def produce():
+            with self.ui.task(f"tokenize {text.name}"):
+                windows = make_windows(tokenize_text(self.source.path, text.joined), settings.context, settings.windows)
+            with atomic_output(path) as tmp, open(tmp, "wb") as handle:
+                np.save(handle, windows)
+            return {"text": text.describe(), "windows": int(windows.shape[0]), "context": int(windows.shape[1])}
+
+        self.stage("tokens", "tokenize evaluation text", inputs={"source": self.digest("fetch"), "text": text.sha256},
+                   settings=settings.to_json(), outputs=[path], produce=produce)
+        return np.load(path)
+
+    def reference(self, windows: np.ndarray) -> Path:
+        from .runners import TorchRunner
+
+        path = self.run_dir / "work" / "reference.npz"
+
+        def produce():
+            runner = TorchRunner.from_folder(self.source.path, threads=self.plan.threads,
+                                             trust_remote_code=self.plan.request.trust_remote_code)
+            with self.ui.task("evaluate reference (transformers, float32)", total=len(windows)) as advance:
+                refs, summary = score_reference(runner.logits, windows, advance)
+            runner.close()
+            save_reference(path, refs)
+            return {**summary, "runtime": "transformers", "dtype": "float32", "threads": self.plan.threads}
+
+        self.stage("reference", "evaluate reference", inputs={"source": self.digest("fetch"),
+                                                              "tokens": self.digest("tokens")},
+                   settings={}, outputs=[path], produce=produce)
+        return path
+
+    def intermediate(self, name: str, build, suffix: str = "") -> Path:
+        """A file shared by several formats of the run (the F16 GGUF, say), built once and recorded."""
+        path = self.run_dir / "work" / f"{self.source.name}-{name}{suffix}"
+
+        def produce():
+            with self.ui.task(f"build {name}"), atomic_output(path) as tmp:
+                return build(tmp) or {}
+
+        self.stage(f"intermediate/{name}", None, inputs={"source": self.digest("fetch")}, settings={},
+                   outputs=[path], produce=produce)
+        return path
+
+    def quantize(self, choice: Choice, parameters: int) -> Path:
+        from .artifacts import measure
+
+        artifact_dir = self.run_dir / "artifacts" / choice.key
+
+        def produce():
+            with self.ui.task(f"quantize {choice.key} ({choice.backend.name})"), atomic_output(artifact_dir) as tmp:
+                job = QuantizeJob(self.source, choice.format, {}, tmp, self.intermediate, self.run_dir / "logs",
+                                  threads=self.plan.threads, log=self.ui.log)
+                facts = choice.backend.quantize(job)
+            return {**facts, **measure(choice.backend.artifact_file(artifact_dir), parameters)}
+
+        self.stage(f"quantize/{choice.key}", f"quantize {choice.key}",
+                   inputs={"source": self.digest("fetch")},
+                   settings={"format": choice.format.name, "backend": choice.backend.name},
+                   outputs=[artifact_dir], produce=produce)
+        return artifact_dir
+
+    def evaluate(self, choice: Choice, windows: np.ndarray, reference_path: Path) -> None:
+        path = self.run_dir / "evals" / f"{choice.key}.json"
+        artifact_dir = self.run_dir / "artifacts" / choice.key
+
+        def produce():
+            refs = load_reference(reference_path)
+            runner = choice.backend.open_runner(artifact_dir, context=windows.shape[1], threads=self.plan.threads)
+            try:
+                with self.ui.task(f"evaluate {choice.key} ({runner.runtime})", total=len(windows)) as advance:
+                    summary = score_artifact(runner.logits, windows, refs, advance)
+            finally:
+                runner.close()
+            summary.update(runtime=runner.runtime, threads=self.plan.threads,
+                           flash_attn=getattr(runner, "flash_attn", None))
+            atomic_write_json(path, summary)
+            return summary
+
+        self.stage(f"evaluate/{choice.key}", f"evaluate {choice.key}",
+                   inputs={"artifact": self.digest(f"quantize/{choice.key}"), "reference": self.digest("reference"),
+                           "tokens": self.digest("tokens")},
+                   settings={"threads": self.plan.threads}, outputs=[path], produce=produce)
+
+    # -- the whole build --------------------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        with RunLock(self.run_dir) as lock, self.ui:
+            if lock.took_over_from:
+                self.ui.log(f"took over the lock of a run that is no longer alive (pid {lock.took_over_from})")
+            removed = clean_partials(self.run_dir)
+            if removed:
+                names = ", ".join(str(p.relative_to(self.run_dir)) for p in removed[:3])
+                self.ui.log(f"removed {len(removed)} half-written file(s) left by an interrupted run: {names}")
+            self.manifest = Manifest.open(self.run_dir)
+            self.manifest.data["plan"] = self.plan.to_json()
+            self.manifest.data["quantforge_version"] = __version__
+            self.source = self.fetch()
+            self.check_backends()
+            parameters = parameter_count(self.source.path)
+            self.manifest.data["plan"]["parameters"] = parameters
+            windows = self.tokens()
+            reference_path = self.reference(windows)
+            for choice in self.plan.choices:
+                self.quantize(choice, parameters)
+                self.evaluate(choice, windows, reference_path)
+            self.manifest.save()
+            return write_card(self.run_dir, self.plan.targets)
+
+
+def build(request: BuildRequest, ui: UI | None = None) -> dict:
+    plan = make_plan(request)
+    return Build(plan, ui or UI()).run()

