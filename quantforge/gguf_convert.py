@@ -196,6 +196,10 @@ def _write_vocab(writer, folder: Path, config: dict, spec: ArchSpec) -> dict:
         load_merges = True
     else:
         raise QuantforgeError(f"tokenizer model type {model.get('type')!r} is not supported for GGUF conversion")
+    config_path = folder / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    if tokenizer_config.get("add_prefix_space") is not None:
+        writer.add_add_space_prefix(bool(tokenizer_config["add_prefix_space"]))
     special = gguf.SpecialVocab(folder, load_merges=load_merges, n_vocab=vocab_size)
     special.add_to_gguf(writer, quiet=True)
     add_bos = _adds_bos(folder)

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 
 from . import __version__
-from .artifacts import parameter_count
 from .backends import Choice, QuantizeJob, load_backends, resolve_formats
 from .card import write_card
 from .decide import Targets
@@ -159,22 +158,34 @@ class Build:
     # -- stages -----------------------------------------------------------------------------------------------
 
     def fetch(self) -> SourceModel:
+        """Make the model available and describe it; nothing is recorded until the checks have passed."""
         spec = self.plan.spec
+        with self.ui.task(f"fetch {spec.target}"):
+            return fetch(spec, allow_pickle=self.plan.request.allow_pickle,
+                         trust_remote_code=self.plan.request.trust_remote_code, log=self.ui.log)
+
+    def record_fetch(self) -> None:
+        # Fetching is re-checked on every build (cheap: cached downloads, remembered hashes), so a changed local
+        # folder or a moved Hub revision reaches every downstream stage through this stage's output digest.
         source_json = self.run_dir / "source.json"
 
         def produce():
-            with self.ui.task(f"fetch {spec.target}"):
-                source = fetch(spec, allow_pickle=self.plan.request.allow_pickle,
-                               trust_remote_code=self.plan.request.trust_remote_code, log=self.ui.log)
-            atomic_write_json(source_json, source.to_json())
-            return source.to_json()
+            atomic_write_json(source_json, self.source.to_json())
+            return self.source.to_json()
 
-        # Fetching is always re-checked (cheap: cached downloads, remembered hashes), so a changed local folder
-        # or a moved Hub revision reaches every downstream stage through this stage's output digest.
         self.manifest.stages.pop("fetch", None)
-        result = self.stage("fetch", "fetch", inputs={"spec": spec.__dict__}, settings={}, outputs=[source_json],
-                            produce=produce)
-        return SourceModel.from_json(result.result)
+        self.stage("fetch", None, inputs={"spec": self.plan.spec.__dict__}, settings={}, outputs=[source_json],
+                   produce=produce)
+
+    def check_same_model(self) -> None:
+        """Refuse to mix two models' stages in one run directory."""
+        previous = (self.manifest.data.get("plan") or {}).get("model")
+        current = self.plan.to_json()["model"]
+        if previous and previous["target"] != current["target"] and not self.plan.request.force:
+            raise QuantforgeError(
+                f"{self.run_dir} holds a run of {previous['target']}, not {current['target']}; "
+                "choose another --out, or pass --force to replace it"
+            )
 
     def check_backends(self) -> None:
         problems = []
@@ -285,12 +296,14 @@ class Build:
                 names = ", ".join(str(p.relative_to(self.run_dir)) for p in removed[:3])
                 self.ui.log(f"removed {len(removed)} half-written file(s) left by an interrupted run: {names}")
             self.manifest = Manifest.open(self.run_dir)
-            self.manifest.data["plan"] = self.plan.to_json()
-            self.manifest.data["quantforge_version"] = __version__
             self.source = self.fetch()
             self.check_backends()
-            parameters = parameter_count(self.source.path)
-            self.manifest.data["plan"]["parameters"] = parameters
+            self.check_same_model()
+            parameters = self.source.config.get("parameters") or 0
+            # Only now, with the input checked, does this build touch the run's manifest.
+            self.manifest.data["plan"] = {**self.plan.to_json(), "parameters": parameters}
+            self.manifest.data["quantforge_version"] = __version__
+            self.record_fetch()
             windows = self.tokens()
             reference_path = self.reference(windows)
             for choice in self.plan.choices:

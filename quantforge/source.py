@@ -99,7 +99,7 @@ def model_facts(folder: Path, *, allow_pickle: bool = False) -> dict:
     except json.JSONDecodeError as exc:
         raise QuantforgeError(f"{config_path} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
     architectures = config.get("architectures") or []
-    if not any(a.endswith("ForCausalLM") for a in architectures):
+    if not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
         found = ", ".join(architectures) or "none"
         raise QuantforgeError(
             f"{folder} is not a causal LM (architectures: {found}); quantforge needs a *ForCausalLM model"
@@ -215,8 +215,9 @@ def dequantize_gguf_to_folder(gguf_path: Path, dest: Path, log: Callable[[str], 
 def _repair_gguf_tokenizer(tokenizer, gguf_path: Path) -> None:
     """Undo what transformers' GGUF tokenizer import loses, from the GGUF's own metadata.
 
-    Measured on SmolLM2's GGUF with transformers 5.17: the rebuilt tokenizer's eos is the bos token, and the
-    digit-splitting step of the "smollm" pre-tokenizer is dropped (numbers tokenize differently from the original).
+    Measured on SmolLM2's GGUF with transformers 5.17: the rebuilt tokenizer's eos is the bos token, byte fallback
+    is switched on for a byte-level BPE, and the digit-splitting step of the "smollm" pre-tokenizer is dropped
+    (numbers tokenize differently from the original).
     """
     from gguf import GGUFReader
     from tokenizers import pre_tokenizers
@@ -226,9 +227,18 @@ def _repair_gguf_tokenizer(tokenizer, gguf_path: Path) -> None:
     def value(key):
         return fields[key].contents() if key in fields else None
 
+    tokenizer.clean_up_tokenization_spaces = False  # a WordPiece clean-up that corrupts BPE text
     eos_id = value("tokenizer.ggml.eos_token_id")
     if eos_id is not None:
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(int(eos_id))
+    if value("tokenizer.ggml.model") == "gpt2":
+        # A GPT-2 style byte-level BPE never needs byte fallback; transformers' import turns it on, and tools that
+        # read tokenizer.json (llama.cpp's converter among them) then take it for a SentencePiece tokenizer.
+        backend = tokenizer.backend_tokenizer
+        state = json.loads(backend.to_str())
+        state["model"]["byte_fallback"] = False
+        state["decoder"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+        tokenizer._tokenizer = type(backend).from_str(json.dumps(state))
     if value("tokenizer.ggml.pre") == "smollm":
         tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [
@@ -253,6 +263,9 @@ BUNDLED: dict[str, Callable[[Callable[[str], None]], Path]] = {"smollm2-135m": _
 
 def download_from_hub(repo_id: str, revision: str, *, allow_pickle: bool, progress_class=None) -> tuple[Path, str]:
     """Download a snapshot with huggingface_hub (resumable, cached; HF_HUB_OFFLINE honoured)."""
+    from .hub import hub_offline
+
+    hub_offline()  # decide once, quickly, whether to go to the cache only
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -281,6 +294,31 @@ def download_from_hub(repo_id: str, revision: str, *, allow_pickle: bool, progre
         raise QuantforgeError(f"downloading {repo_id} failed: {_first_line(exc)}") from None
     commit = path.name  # snapshots/<commit>
     return path, commit
+
+
+def hub_sha256(repo_id: str, commit: str) -> dict[str, str]:
+    """The sha256 the Hub records for each LFS file of a revision (empty when offline)."""
+    from .hub import hub_offline
+
+    if hub_offline():
+        return {}
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoFile
+
+    try:
+        entries = HfApi().list_repo_tree(repo_id, revision=commit, recursive=True)
+        return {e.path: e.lfs.sha256 for e in entries if isinstance(e, RepoFile) and e.lfs is not None}
+    except Exception as exc:  # the download succeeded; a failed listing only means we cannot cross-check
+        raise QuantforgeError(f"could not list {repo_id}@{commit[:12]} to verify the download: {_first_line(exc)}") from None
+
+
+def verify_against_hub(files: dict, expected: dict[str, str], folder: Path) -> None:
+    for name, sha in expected.items():
+        if name in files and files[name]["sha256"] != sha:
+            raise QuantforgeError(
+                f"{folder / name} does not match the sha256 the Hub records for it (corrupted download?); "
+                "delete it from the Hugging Face cache and run again"
+            )
 
 
 def _first_line(exc: BaseException) -> str:
@@ -314,6 +352,13 @@ def fetch(
     else:
         raise QuantforgeError(f"cannot fetch a model of kind {spec.kind}")
     facts = model_facts(folder, allow_pickle=allow_pickle)
+    if facts["weight_files"]:
+        from .artifacts import parameter_count
+
+        facts["parameters"] = parameter_count(folder)  # reads and validates every safetensors header
+    files = folder_files(folder)
+    if spec.kind == "hub":
+        verify_against_hub(files, hub_sha256(spec.target, revision), folder)
     if facts["quantized"]:
         raise QuantforgeError(
             f"{folder} is already quantized (its config has quantization_config); give the unquantized model"
@@ -324,7 +369,7 @@ def fetch(
         path=folder,
         hub_id=hub_id,
         revision=revision,
-        files=folder_files(folder),
+        files=files,
         config=facts,
         trust_remote_code=trust_remote_code,
     )

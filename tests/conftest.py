@@ -63,3 +63,20 @@ def read_json(path: Path) -> dict:
 
 # Small, fast evaluation settings for tiny-model builds: real text, few windows.
 FAST_EVAL = ["--eval-text", str(WIKITEXT), "--ppl-context", "128", "--ppl-windows", "4", "--threads", "2"]
+TINY_FORMATS = "gguf-f16,gguf-q8_0,gguf-q4km"
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tiny_llama, tmp_path_factory) -> Path:
+    """A finished build of the tiny llama into three GGUF formats (treat as read-only; copy it to change it)."""
+    out = tmp_path_factory.mktemp("runs") / "tiny"
+    result = quantforge_cli("build", str(tiny_llama), "--formats", TINY_FORMATS, "--out", str(out), *FAST_EVAL)
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def tree_digest(folder: Path) -> dict:
+    """sha256 of every file below a folder, to show that a failed command changed nothing."""
+    from quantforge.fsutil import file_records
+
+    return file_records(folder)

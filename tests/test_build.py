@@ -4,22 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
-import pytest
-
-from conftest import FAST_EVAL, quantforge_cli, read_json
+from conftest import FAST_EVAL, TINY_FORMATS as FORMATS, quantforge_cli, read_json
 from quantforge.fsutil import file_records
-
-FORMATS = "gguf-f16,gguf-q8_0,gguf-q4km"
-
-
-@pytest.fixture(scope="module")
-def tiny_run(tiny_llama, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("runs") / "tiny"
-    result = quantforge_cli("build", str(tiny_llama), "--formats", FORMATS, "--out", str(out), *FAST_EVAL)
-    assert result.returncode == 0, result.stderr
-    return out
 
 
 def test_build_writes_every_artifact_and_a_card(tiny_run):

@@ -1,0 +1,123 @@
+"""Bad input: one line on stderr, exit code 2, and nothing an earlier run produced is touched."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST_EVAL, quantforge_cli, tree_digest
+
+
+def assert_clean_error(result, *fragments: str) -> None:
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    lines = [line for line in result.stderr.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture
+def run_copy(tiny_run, tmp_path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    return run
+
+
+def _build_into(run: Path, *args: str):
+    before = tree_digest(run)
+    result = quantforge_cli("build", *args, "--out", str(run), *FAST_EVAL)
+    assert tree_digest(run) == before, "a failed build changed the earlier run"
+    return result
+
+
+def test_unknown_model(run_copy):
+    assert_clean_error(_build_into(run_copy, "no-such-model"), "unknown model 'no-such-model'", "Hub id")
+
+
+def test_unknown_format(run_copy, tiny_llama):
+    result = _build_into(run_copy, str(tiny_llama), "--formats", "gguf-q3_k_xs")
+    assert_clean_error(result, "unknown format 'gguf-q3_k_xs'", "gguf-q4km")
+
+
+def test_unknown_backend(run_copy, tiny_llama):
+    result = _build_into(run_copy, str(tiny_llama), "--formats", "gguf-q4km", "--backend", "nope")
+    assert_clean_error(result, "unknown backend 'nope'", "llamacpp")
+
+
+def test_folder_without_config(run_copy, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_clean_error(_build_into(run_copy, str(empty)), "no config.json")
+
+
+def test_folder_that_is_not_a_causal_lm(run_copy, tiny_llama, tmp_path):
+    folder = tmp_path / "encoder"
+    shutil.copytree(tiny_llama, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["BertModel"]
+    (folder / "config.json").write_text(json.dumps(config))
+    assert_clean_error(_build_into(run_copy, str(folder)), "not a causal LM", "BertModel")
+
+
+def test_architecture_gguf_cannot_convert(tiny_llama, tmp_path):
+    folder = tmp_path / "gpt2like"
+    shutil.copytree(tiny_llama, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (folder / "config.json").write_text(json.dumps(config))
+    run = tmp_path / "run"
+    result = quantforge_cli("build", str(folder), "--formats", "gguf-q4km", "--out", str(run), *FAST_EVAL)
+    assert_clean_error(result, "GPT2LMHeadModel is not supported for GGUF")
+    assert not (run / "artifacts").exists()
+
+
+def test_pickle_only_weights_are_refused(run_copy, tiny_llama, tmp_path):
+    folder = tmp_path / "pickled"
+    shutil.copytree(tiny_llama, folder)
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    assert_clean_error(_build_into(run_copy, str(folder)), "only pickle weights", "--allow-pickle")
+
+
+def test_corrupted_safetensors(run_copy, tiny_llama, tmp_path):
+    folder = tmp_path / "corrupt"
+    shutil.copytree(tiny_llama, folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert_clean_error(_build_into(run_copy, str(folder)), "corrupted", "model.safetensors")
+
+
+def test_a_different_model_into_an_existing_run(run_copy, tiny_qwen2):
+    result = _build_into(run_copy, str(tiny_qwen2), "--formats", "gguf-q8_0")
+    assert_clean_error(result, "holds a run of", "--force")
+
+
+def test_hub_id_without_network_or_cache(run_copy, tmp_path):
+    env = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}
+    before = tree_digest(run_copy)
+    result = quantforge_cli("build", "acme/not-cached", "--out", str(run_copy), *FAST_EVAL, env=env)
+    assert_clean_error(result, "acme/not-cached is not in the local Hugging Face cache")
+    assert tree_digest(run_copy) == before
+
+
+@pytest.mark.parametrize(
+    "text, fragments",
+    [
+        ("model: bundled:smollm2-135m\nformats: [gguf-q4km\n", ["malformed YAML"]),
+        ("model: bundled:smollm2-135m\nformat: [gguf-q4km]\n", [":2:", "unknown key 'format'", "formats"]),
+        ("model: bundled:smollm2-135m\neval:\n  windowz: 4\n", [":3:", "unknown key 'eval.windowz'"]),
+        ("model: bundled:smollm2-135m\neval:\n  context: lots\n", [":3:", "'eval.context' must be an integer"]),
+        ("formats: [gguf-q4km]\n", ["no 'model' key"]),
+    ],
+)
+def test_malformed_recipe(run_copy, tmp_path, text, fragments):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(text)
+    assert_clean_error(_build_into(run_copy, "--recipe", str(recipe)), str(recipe), *fragments)
+
+
+def test_card_of_a_folder_that_is_not_a_run(tmp_path):
+    assert_clean_error(quantforge_cli("card", str(tmp_path)), "holds no quantforge run")

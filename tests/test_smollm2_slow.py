@@ -1,0 +1,44 @@
+"""The README's main job on the real bundled model (slow: a few minutes on 2 cores; runs once in CI)."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, quantforge_cli, read_json
+
+pytestmark = pytest.mark.slow
+
+
+def test_readme_build_of_the_bundled_model(tmp_path):
+    run = tmp_path / "smollm2"
+    result = quantforge_cli("build", "smollm2-135m", "--formats", "gguf-f16,gguf-q8_0,gguf-q5km,gguf-q4km",
+                            "--out", str(run), env={"HF_HUB_OFFLINE": "1"}, timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]
+    card = read_json(run / "card.json")
+    reference = card["reference"]["perplexity"]
+    metrics = {e["key"]: e["metrics"] for e in card["formats"]}
+    assert 5 < reference < 60 and all(math.isfinite(m["perplexity"]) for m in metrics.values())
+    # The F16 GGUF in llama.cpp reproduces the float reference in transformers.
+    assert abs(metrics["gguf-f16"]["perplexity"] / reference - 1) < 0.001
+    assert metrics["gguf-f16"]["kld_mean"] < metrics["gguf-q8_0"]["kld_mean"] < metrics["gguf-q4km"]["kld_mean"]
+    # SmolLM2's width 576 makes llama.cpp fall back from K-quants, and the card says so.
+    q4 = next(e for e in card["formats"] if e["key"] == "gguf-q4km")
+    assert q4["quantize"]["fallback_tensors"] > 0
+    assert "fell back" in (run / "card.md").read_text()
+    decision = card["decision"]
+    assert decision["recommended"] is not None
+    assert {v["key"] for v in decision["verdicts"]} == set(metrics)
+    assert "recommended: " in result.stdout
+
+
+def test_gguf_parity_script_reports_identical_tensors():
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "check_gguf_parity.py")], capture_output=True,
+                            text=True, timeout=1800)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "[F16] tensors: 272 of 272 byte-identical" in result.stdout
+    assert "[Q4_K_M] tensors: 272 of 272 byte-identical" in result.stdout
+    assert "PARITY OK" in result.stdout
