@@ -88,17 +88,19 @@ def test_a_deleted_artifact_is_rebuilt_alone(tiny_run, tmp_path):
     assert after["quantize/gguf-q4km"]["outputs"] == before["quantize/gguf-q4km"]["outputs"]  # same bytes again
 
 
-def test_card_command_re_decides_with_new_targets(tiny_run):
-    strict = quantforge_cli("card", str(tiny_run), "--max-ppl-increase", "0", "--json")
+def test_card_command_re_decides_with_new_targets(tiny_run, tmp_path):
+    run = tmp_path / "copy"
+    shutil.copytree(tiny_run, run)
+    strict = quantforge_cli("card", str(run), "--max-ppl-increase", "0", "--json")
     assert strict.returncode == 0, strict.stderr
     card = json.loads(strict.stdout)
     increase = {e["key"]: e["metrics"]["perplexity_increase_pct"] for e in card["formats"]}
     for verdict in card["decision"]["verdicts"]:
         met = verdict["outcome"] in ("recommended", "meets targets")
         assert met == (increase[verdict["key"]] <= 0), verdict
-    loose = json.loads(quantforge_cli("card", str(tiny_run), "--max-ppl-increase", "1000", "--json").stdout)
+    loose = json.loads(quantforge_cli("card", str(run), "--max-ppl-increase", "1000", "--json").stdout)
     outcomes = {v["key"]: v["outcome"] for v in loose["decision"]["verdicts"]}
     # Everything passes a huge tolerance, so the least aggressive format wins and the rest are "more than needed".
     assert outcomes == {"gguf-f16": "recommended", "gguf-q8_0": "meets targets", "gguf-q4km": "meets targets"}
     # The stored card was rewritten with the new targets.
-    assert read_json(tiny_run / "card.json")["targets"]["max_ppl_increase"] == 1000
+    assert read_json(run / "card.json")["targets"]["max_ppl_increase"] == 1000
