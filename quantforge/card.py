@@ -155,6 +155,9 @@ def render_markdown(card: dict) -> str:
         "",
         f"- Text: {text.get('name')} ({text.get('source')}; sha256 {str(text.get('sha256'))[:12]}), "
         f"{ev.get('windows')} windows of {ev.get('context')} tokens, {ref.get('tokens_scored')} tokens scored.",
+        *([f"- The text was asked as 'auto': WikiText-2 was neither cached nor reachable, so the offline fallback "
+           f"(Python's pydoc topics) was used; perplexities are not comparable with WikiText-2 figures."]
+          if ev.get("requested_text") == "auto" and text.get("name") == "pydoc" else []),
         f"- {ev['convention']}. llama.cpp's llama-perplexity scores only the second half of each window: its "
         "figures are not comparable with these.",
         "- KL divergence: reference top-128 distribution plus the remaining mass against the artifact's, per token.",

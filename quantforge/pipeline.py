@@ -160,9 +160,9 @@ class Build:
     def fetch(self) -> SourceModel:
         """Make the model available and describe it; nothing is recorded until the checks have passed."""
         spec = self.plan.spec
-        with self.ui.task(f"fetch {spec.target}"):
+        with self.ui.task(f"fetch {spec.target}") as advance:
             return fetch(spec, allow_pickle=self.plan.request.allow_pickle,
-                         trust_remote_code=self.plan.request.trust_remote_code, log=self.ui.log)
+                         trust_remote_code=self.plan.request.trust_remote_code, log=self.ui.log, progress=advance)
 
     def record_fetch(self) -> None:
         # Fetching is re-checked on every build (cheap: cached downloads, remembered hashes), so a changed local
@@ -201,7 +201,8 @@ class Build:
         settings = self.plan.eval
         text = load_text(settings.text)
         path = self.run_dir / "work" / "eval-windows.npy"
-        self.manifest.data["plan"]["evaluation"] = {**settings.to_json(), "text": text.describe()}
+        self.manifest.data["plan"]["evaluation"] = {**settings.to_json(), "requested_text": settings.text,
+                                                    "text": text.describe()}
 
         def produce():
             with self.ui.task(f"tokenize {text.name}"):

@@ -261,11 +261,55 @@ BUNDLED: dict[str, Callable[[Callable[[str], None]], Path]] = {"smollm2-135m": _
 # ----------------------------------------------------------------------------------------------- Hub
 
 
-def download_from_hub(repo_id: str, revision: str, *, allow_pickle: bool, progress_class=None) -> tuple[Path, str]:
+def _blob_bytes(blobs: Path) -> int:
+    try:
+        return sum(p.stat().st_size for p in blobs.iterdir() if p.is_file())
+    except OSError:
+        return 0
+
+
+def _watch_download(blobs: Path, total: int, progress: Callable[[int, int], None]) -> Callable[[], None]:
+    """Report bytes arriving in the HF cache's blob folder (partial files included) until stopped."""
+    import threading
+
+    start = _blob_bytes(blobs)
+    stop = threading.Event()
+
+    def poll():
+        while not stop.wait(0.5):
+            progress(min(_blob_bytes(blobs) - start, total), total)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+
+    def finish():
+        stop.set()
+        thread.join()
+        progress(total, total)
+
+    return finish
+
+
+def _start_progress(repo_id: str, revision: str, patterns: list[str], progress) -> Callable[[], None] | None:
+    """Size up the download (a dry run) and start watching it; None when that is not possible."""
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        planned = snapshot_download(repo_id, revision=revision, allow_patterns=patterns, dry_run=True)
+    except Exception:  # the real download that follows reports the problem with its proper error type
+        return None
+    total = sum(f.file_size or 0 for f in planned if f.will_download)
+    blobs = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}" / "blobs"
+    return _watch_download(blobs, total, progress) if total else None
+
+
+def download_from_hub(
+    repo_id: str, revision: str, *, allow_pickle: bool, progress: Callable[[int, int], None] | None = None
+) -> tuple[Path, str]:
     """Download a snapshot with huggingface_hub (resumable, cached; HF_HUB_OFFLINE honoured)."""
     from .hub import hub_offline
 
-    hub_offline()  # decide once, quickly, whether to go to the cache only
+    offline = hub_offline()  # decide once, quickly, whether to go to the cache only
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -276,9 +320,11 @@ def download_from_hub(repo_id: str, revision: str, *, allow_pickle: bool, progre
     )
 
     patterns = HUB_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
-    kwargs = {"tqdm_class": progress_class} if progress_class is not None else {}
+    finish = None
     try:
-        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, **kwargs))
+        if progress and not offline:
+            finish = _start_progress(repo_id, revision, patterns, progress)
+        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
     except GatedRepoError:
         raise QuantforgeError(f"{repo_id} is gated on the Hub: accept its licence and set HF_TOKEN") from None
     except RepositoryNotFoundError:
@@ -292,6 +338,9 @@ def download_from_hub(repo_id: str, revision: str, *, allow_pickle: bool, progre
         ) from None
     except (HfHubHTTPError, OSError) as exc:
         raise QuantforgeError(f"downloading {repo_id} failed: {_first_line(exc)}") from None
+    finally:
+        if finish:
+            finish()
     commit = path.name  # snapshots/<commit>
     return path, commit
 
@@ -335,7 +384,7 @@ def fetch(
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
     log: Callable[[str], None] = print,
-    progress_class=None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> SourceModel:
     """Make the model available as a local folder and describe it."""
     revision = spec.revision
@@ -347,7 +396,7 @@ def fetch(
     elif spec.kind == "hub":
         hub_id = spec.target
         folder, revision = download_from_hub(
-            spec.target, spec.revision or "main", allow_pickle=allow_pickle, progress_class=progress_class
+            spec.target, spec.revision or "main", allow_pickle=allow_pickle, progress=progress
         )
     else:
         raise QuantforgeError(f"cannot fetch a model of kind {spec.kind}")

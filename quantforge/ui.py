@@ -33,11 +33,13 @@ class UI:
         self.console.print(message, highlight=False)
 
     @contextlib.contextmanager
-    def task(self, description: str, total: int | None = None) -> Iterator[Callable[[int], None]]:
+    def task(self, description: str, total: int | None = None) -> Iterator[Callable[..., None]]:
         """A progress line; the yielded function sets how many units are done."""
         task_id = self.progress.add_task(description, total=total)
 
-        def advance(done: int) -> None:
+        def advance(done: int, new_total: int | None = None) -> None:
+            if new_total is not None:
+                self.progress.update(task_id, total=new_total)
             self.progress.update(task_id, completed=done)
 
         yield advance
