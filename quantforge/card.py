@@ -80,6 +80,7 @@ def build_card(run_dir: Path, targets: Targets) -> dict:
         "model": manifest.stage("fetch")["result"] | {"parameters": plan.get("parameters")},
         "evaluation": {**plan.get("evaluation", {}), "convention": CONVENTION},
         "reference": reference["result"],
+        "calibration": (manifest.stage("calibration") or {}).get("result"),
         "formats": entries,
         "incomplete": [e["key"] for e in entries if not e["complete"]],
         "targets": targets.to_json(),
@@ -166,8 +167,17 @@ def render_markdown(card: dict) -> str:
         f"- Bits per weight: tensor bytes in the artifact x 8 / parameters of the unquantized model.",
         f"- Targets: {', '.join(f'{k}={v}' for k, v in targets.items())}.",
     ]
+    calibration = card.get("calibration")
+    if calibration:
+        text = calibration["text"]
+        lines.append(f"- Calibration (shared by every calibrating format): {text['name']} ({text['source']}), "
+                     f"{calibration['samples']} sequences of {calibration['seqlen']} tokens, seed {calibration['seed']}.")
     for entry in card["formats"]:
         quantize = entry.get("quantize") or {}
+        if quantize.get("group_size_note"):
+            lines.append(f"- {entry['key']}: {quantize['group_size_note']} (--group-size auto).")
+        if quantize.get("library"):
+            lines.append(f"- {entry['key']}: quantized with {quantize['library']}; evaluated dequantized from disk.")
         if quantize.get("fallback_tensors"):
             lines.append(
                 f"- {entry['key']}: llama.cpp fell back to another type for {quantize['fallback_tensors']} tensors "

@@ -70,11 +70,19 @@ def main() -> None:
 @click.option("--max-kld", type=float, help="Target: largest mean KL divergence against the reference.")
 @click.option("--min-top1-agreement", type=float, help="Target: smallest top-1 token agreement (0-1).")
 @click.option("--threads", type=int, help="CPU threads for quantization and evaluation (default: all cores).")
+@click.option("--calibration", help="Calibration set: a name (c4, wikitext2-train, pile-val, stdlib-docstrings; "
+              "'auto' = c4 if it can be had, else stdlib-docstrings) or a local .txt/.jsonl file.")
+@click.option("--calib-samples", type=int, help="Calibration sequences (default 128).")
+@click.option("--calib-seqlen", type=int, help="Tokens per calibration sequence (default 512).")
+@click.option("--group-size", help="Quantization group size for GPTQ/AWQ (default 128), or 'auto': the largest "
+              "of 128/64/32/16 that divides every layer width.")
+@click.option("--act-order/--no-act-order", default=None, help="GPTQ activation order (desc_act); default off.")
 @click.option("--allow-pickle", is_flag=True, help="Allow pickle (.bin) weights, which can run code when loaded.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model repo's own Python code to run.")
 @click.option("--json", "as_json", is_flag=True, help="Print the card as JSON on stdout.")
 def build(model, formats, backends, out, recipe_file, force, eval_text, ppl_context, ppl_windows, max_ppl_increase,
-          max_kld, min_top1_agreement, threads, allow_pickle, trust_remote_code, as_json):
+          max_kld, min_top1_agreement, threads, calibration, calib_samples, calib_seqlen, group_size, act_order,
+          allow_pickle, trust_remote_code, as_json):
     """Fetch MODEL (a recipe, Hub id, local folder or bundled model), quantize, evaluate, write the card."""
     from .pipeline import BuildRequest
     from .pipeline import build as run_build
@@ -86,7 +94,8 @@ def build(model, formats, backends, out, recipe_file, force, eval_text, ppl_cont
         model=model, formats=_split(formats), backends=_split(backends), out=out, recipe_file=recipe_file,
         force=force, eval_text=eval_text, ppl_context=ppl_context, ppl_windows=ppl_windows,
         max_ppl_increase=max_ppl_increase, max_kld=max_kld, min_top1_agreement=min_top1_agreement, threads=threads,
-        allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
+        calibration=calibration, calib_samples=calib_samples, calib_seqlen=calib_seqlen, group_size=group_size,
+        act_order=act_order, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
         command="quantforge " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
     )
     ui = UI()
@@ -132,7 +141,7 @@ def formats(as_json):
     for row in rows:
         state = "ready" if row["available"] else f"unavailable: {row['reason']}"
         default = "" if row["default"] else " (alternative backend)"
-        click.echo(f"{row['format']:<14} {row['backend']:<12} {row['scheme']:<10} "
+        click.echo(f"{row['format']:<11} {row['backend']:<14} {row['scheme']:<32} "
                    f"{'/'.join(row['runtimes']):<22} {state}{default}")
 
 

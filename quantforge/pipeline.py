@@ -15,11 +15,13 @@ import numpy as np
 
 from . import __version__
 from .backends import Choice, QuantizeJob, load_backends, resolve_formats
+from .calibration import CalibrationSettings
 from .card import write_card
 from .decide import Targets
 from .errors import QuantforgeError
 from .evaluate import EvalSettings, load_reference, make_windows, save_reference, score_artifact, score_reference
 from .fsutil import atomic_output, atomic_write_json
+from .logs import capture_output
 from .manifest import Manifest, RunLock, clean_partials, run_stage
 from .recipes import Recipe, find_recipe, known_recipes, load_recipe
 from .source import ModelSpec, SourceModel, fetch, parse_model_ref
@@ -45,6 +47,11 @@ class BuildRequest:
     max_kld: float | None = None
     min_top1_agreement: float | None = None
     threads: int | None = None
+    calibration: str | None = None
+    calib_samples: int | None = None
+    calib_seqlen: int | None = None
+    group_size: str | None = None
+    act_order: bool | None = None
     allow_pickle: bool = False
     trust_remote_code: bool = False
     command: str = "quantforge build"
@@ -58,11 +65,17 @@ class Plan:
     recipe: Recipe | None
     choices: list[Choice]
     eval: EvalSettings
+    calibration: CalibrationSettings
+    quantize: dict  # settings every backend reads: group_size ("auto" or a number), act_order
     targets: Targets
     run_dir: Path
     threads: int
     request: BuildRequest
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def needs_calibration(self) -> bool:
+        return any(c.backend.needs_calibration for c in self.choices)
 
     def to_json(self) -> dict:
         return {
@@ -76,6 +89,8 @@ class Plan:
                 for c in self.choices
             },
             "eval_settings": self.eval.to_json(),
+            "calibration": self.calibration.to_json() if self.needs_calibration else None,
+            "quantize": self.quantize,
             "targets": self.targets.to_json(),
             "threads": self.threads,
             "trust_remote_code": self.request.trust_remote_code,
@@ -116,6 +131,21 @@ def make_plan(request: BuildRequest) -> Plan:
     )
     if eval_settings.context < 16 or eval_settings.windows < 1:
         raise QuantforgeError("--ppl-context must be at least 16 tokens and --ppl-windows at least 1")
+    recipe_calibration = recipe.calibration if recipe else {}
+    calibration = CalibrationSettings(
+        dataset=_first(request.calibration, recipe_calibration.get("dataset"), "auto"),
+        samples=_first(request.calib_samples, recipe_calibration.get("samples"), 128),
+        seqlen=_first(request.calib_seqlen, recipe_calibration.get("seqlen"), 512),
+        seed=recipe_calibration.get("seed", 0),
+    )
+    if calibration.samples < 1 or calibration.seqlen < 8:
+        raise QuantforgeError("--calib-samples must be at least 1 and --calib-seqlen at least 8")
+    recipe_quantize = recipe.quantize if recipe else {}
+    group_size = _first(request.group_size, recipe_quantize.get("group_size"), 128)
+    if str(group_size) != "auto" and not str(group_size).isdigit():
+        raise QuantforgeError(f"--group-size must be a number or 'auto', not {group_size!r}")
+    quantize = {"group_size": "auto" if str(group_size) == "auto" else int(group_size),
+                "act_order": bool(_first(request.act_order, recipe_quantize.get("act_order"), False))}
     targets = Targets(
         max_ppl_increase=_first(request.max_ppl_increase, recipe_targets.get("max_ppl_increase"), 5.0),
         max_kld=_first(request.max_kld, recipe_targets.get("max_kld")),
@@ -127,7 +157,7 @@ def make_plan(request: BuildRequest) -> Plan:
         reason = choice.backend.unavailable_reason()
         if reason:
             raise QuantforgeError(f"format {choice.format.name} needs backend {choice.backend.name}: {reason}")
-    return Plan(spec, recipe, choices, eval_settings, targets, run_dir, threads, request)
+    return Plan(spec, recipe, choices, eval_settings, calibration, quantize, targets, run_dir, threads, request)
 
 
 class Build:
@@ -190,7 +220,8 @@ class Build:
     def check_backends(self) -> None:
         problems = []
         for choice in self.plan.choices:
-            problems += [f"{choice.key}: {p}" for p in choice.backend.check(self.source, choice.format, {})]
+            problems += [f"{choice.key}: {p}" for p in choice.backend.check(self.source, choice.format,
+                                                                             self.plan.quantize)]
         if problems:
             raise QuantforgeError(problems[0] + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""))
 
@@ -214,6 +245,28 @@ class Build:
         self.stage("tokens", "tokenize evaluation text", inputs={"source": self.digest("fetch"), "text": text.sha256},
                    settings=settings.to_json(), outputs=[path], produce=produce)
         return np.load(path)
+
+    def calibration(self) -> Path | None:
+        """The run's one calibration set, tokenized once and shared by every format that calibrates."""
+        if not self.plan.needs_calibration:
+            return None
+        from .calibration import load_calibration_text, sample_sequences, tokenize_documents
+
+        settings = self.plan.calibration
+        text = load_calibration_text(settings.dataset)
+        path = self.run_dir / "work" / "calibration.npy"
+
+        def produce():
+            with self.ui.task(f"calibration set ({text.name})"):
+                sequences = sample_sequences(tokenize_documents(self.source.path, text.documents), settings)
+            with atomic_output(path) as tmp, open(tmp, "wb") as handle:
+                np.save(handle, sequences)
+            return {"text": text.describe(), **settings.to_json()}
+
+        self.stage("calibration", "tokenize calibration set",
+                   inputs={"source": self.digest("fetch"), "text": text.sha256}, settings=settings.to_json(),
+                   outputs=[path], produce=produce)
+        return path
 
     def reference(self, windows: np.ndarray) -> Path:
         from .runners import TorchRunner
@@ -246,21 +299,27 @@ class Build:
                    outputs=[path], produce=produce)
         return path
 
-    def quantize(self, choice: Choice, parameters: int) -> Path:
+    def quantize(self, choice: Choice, parameters: int, calibration: Path | None) -> Path:
         from .artifacts import measure
 
         artifact_dir = self.run_dir / "artifacts" / choice.key
+        log_dir = self.run_dir / "logs"
+        uses_calibration = choice.backend.needs_calibration
 
         def produce():
             with self.ui.task(f"quantize {choice.key} ({choice.backend.name})"), atomic_output(artifact_dir) as tmp:
-                job = QuantizeJob(self.source, choice.format, {}, tmp, self.intermediate, self.run_dir / "logs",
-                                  threads=self.plan.threads, log=self.ui.log)
-                facts = choice.backend.quantize(job)
+                job = QuantizeJob(self.source, choice.format, self.plan.quantize, tmp, self.intermediate, log_dir,
+                                  calibration=calibration if uses_calibration else None, threads=self.plan.threads,
+                                  log=self.ui.log)
+                with capture_output(log_dir / f"quantize-{choice.key}.log"):
+                    facts = choice.backend.quantize(job)
             return {**facts, **measure(choice.backend.artifact_file(artifact_dir), parameters)}
 
-        self.stage(f"quantize/{choice.key}", f"quantize {choice.key}",
-                   inputs={"source": self.digest("fetch")},
-                   settings={"format": choice.format.name, "backend": choice.backend.name},
+        inputs = {"source": self.digest("fetch")}
+        if uses_calibration:
+            inputs["calibration"] = self.digest("calibration")
+        self.stage(f"quantize/{choice.key}", f"quantize {choice.key}", inputs=inputs,
+                   settings={"format": choice.format.name, "backend": choice.backend.name, **self.plan.quantize},
                    outputs=[artifact_dir], produce=produce)
         return artifact_dir
 
@@ -270,7 +329,8 @@ class Build:
 
         def produce():
             refs = load_reference(reference_path)
-            runner = choice.backend.open_runner(artifact_dir, context=windows.shape[1], threads=self.plan.threads)
+            with capture_output(self.run_dir / "logs" / f"evaluate-{choice.key}.log"):
+                runner = choice.backend.open_runner(artifact_dir, context=windows.shape[1], threads=self.plan.threads)
             try:
                 with self.ui.task(f"evaluate {choice.key} ({runner.runtime})", total=len(windows)) as advance:
                     summary = score_artifact(runner.logits, windows, refs, advance)
@@ -307,8 +367,9 @@ class Build:
             self.record_fetch()
             windows = self.tokens()
             reference_path = self.reference(windows)
+            calibration = self.calibration()
             for choice in self.plan.choices:
-                self.quantize(choice, parameters)
+                self.quantize(choice, parameters, calibration)
                 self.evaluate(choice, windows, reference_path)
             self.manifest.save()
             return write_card(self.run_dir, self.plan.targets)

@@ -23,7 +23,8 @@ SCHEMA: dict = {
     "backends": list,
     "eval": {"text": str, "context": int, "windows": int, "threads": int},
     "targets": {"max_ppl_increase": (int, float), "max_kld": (int, float), "min_top1_agreement": (int, float)},
-    "quantize": {"group_size": (int, str), "threads": int},
+    "quantize": {"group_size": (int, str), "act_order": bool},
+    "calibration": {"dataset": str, "samples": int, "seqlen": int, "seed": int},
 }
 
 
@@ -39,12 +40,13 @@ class Recipe:
     eval: dict = field(default_factory=dict)
     targets: dict = field(default_factory=dict)
     quantize: dict = field(default_factory=dict)
+    calibration: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {
             "name": self.name, "model": self.model, "revision": self.revision, "path": str(self.path) if self.path else None,
             "formats": self.formats, "backends": self.backends, "eval": self.eval, "targets": self.targets,
-            "quantize": self.quantize,
+            "quantize": self.quantize, "calibration": self.calibration,
         }
 
 
@@ -58,7 +60,8 @@ def known_recipes() -> dict[str, Path]:
 
 def _type_name(expected) -> str:
     types = expected if isinstance(expected, tuple) else (expected,)
-    return " or ".join({str: "text", int: "an integer", float: "a number", list: "a list", dict: "a mapping"}[t]
+    return " or ".join({str: "text", int: "an integer", float: "a number", list: "a list", dict: "a mapping",
+                         bool: "true or false"}[t]
                        for t in types)
 
 
@@ -81,7 +84,7 @@ def _check(node: yaml.Node, schema: dict, path: Path, where: str) -> dict:
             continue
         value = yaml.safe_load(yaml.serialize(value_node))
         types = expected if isinstance(expected, tuple) else (expected,)
-        if isinstance(value, bool) or not isinstance(value, types):
+        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
             raise QuantforgeError(f"{path}:{line}: key '{label}' must be {_type_name(expected)}, not {value!r}")
         if expected is list and not all(isinstance(item, str) for item in value):
             raise QuantforgeError(f"{path}:{line}: key '{label}' must be a list of names")

@@ -82,9 +82,13 @@ def _load_definition(name: str, path: Path) -> Text:
     definition = yaml.safe_load(path.read_text()) or {}
     joiner = definition.get("join", "\n\n")
     if "builtin" in definition:
-        module = importlib.import_module(definition["builtin"])
-        topics = getattr(module, "topics")
-        documents = [topics[key] for key in sorted(topics)]
+        module_name, _, function = definition["builtin"].partition(":")
+        module = importlib.import_module(module_name)
+        if function:
+            documents = getattr(module, function)()
+        else:  # a dict of texts, like pydoc_data.topics.topics
+            topics = getattr(module, "topics")
+            documents = [topics[key] for key in sorted(topics)]
         return Text(name, documents, f"python {definition['builtin']}", joiner)
     hub_offline()  # with no Hub in reach, datasets goes to its cache at once instead of retrying for ~25 s
     try:
@@ -121,3 +125,39 @@ def load_text(spec: str) -> Text:
     raise QuantforgeError(
         f"unknown text '{spec}'; known: {', '.join(sorted(definitions))}, or give a local .txt/.jsonl file"
     )
+
+
+# Modules whose docstrings are long, plain English; the list is fixed so the corpus is the same on every run.
+_DOCSTRING_MODULES = (
+    "argparse", "asyncio", "collections", "concurrent.futures", "contextlib", "csv", "dataclasses", "datetime",
+    "decimal", "difflib", "email", "enum", "fractions", "functools", "heapq", "http.client", "inspect", "io",
+    "ipaddress", "itertools", "json", "logging", "mailbox", "multiprocessing", "os", "pathlib", "pickle", "random",
+    "re", "shutil", "socket", "sqlite3", "statistics", "string", "subprocess", "tarfile", "textwrap", "threading",
+    "typing", "unittest", "urllib.parse", "urllib.request", "uuid", "zipfile", "ast", "calendar", "codecs",
+    "configparser", "copy", "doctest", "ftplib", "gettext", "glob", "gzip", "hashlib", "imaplib", "locale",
+    "numbers", "operator", "optparse", "pdb", "pprint", "pydoc", "queue", "sched", "secrets", "selectors", "shelve",
+    "smtplib", "ssl", "struct", "tempfile", "tokenize", "trace", "traceback", "wave", "weakref", "xml.dom.minidom",
+)
+
+
+def stdlib_docstrings() -> list[str]:
+    """One document per standard-library module: its docstring and those of its public members."""
+    import inspect
+
+    documents = []
+    for module_name in _DOCSTRING_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        parts = [inspect.getdoc(module) or ""]
+        for member_name in sorted(dir(module)):
+            if member_name.startswith("_"):
+                continue
+            member = getattr(module, member_name, None)
+            if (inspect.isclass(member) or inspect.isfunction(member)) and getattr(member, "__module__", "") == module.__name__:
+                doc = inspect.getdoc(member)
+                if doc:
+                    parts.append(doc)
+        documents.append("\n\n".join(p for p in parts if p))
+    return documents

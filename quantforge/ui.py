@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from typing import Callable, Iterator
 
 from rich.console import Console
@@ -11,7 +13,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 class UI:
     def __init__(self, quiet: bool = False):
-        self.console = Console(stderr=True, quiet=quiet)
+        # A duplicate of stderr, so that logs.capture_output can send library output to a file while our
+        # progress display stays on the terminal.
+        terminal = os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8", errors="replace")
+        self.console = Console(file=terminal, quiet=quiet, force_terminal=sys.stderr.isatty() or None)
         self.progress = Progress(
             SpinnerColumn(),
             TextColumn("[bold]{task.description}"),

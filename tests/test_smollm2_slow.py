@@ -15,7 +15,10 @@ pytestmark = pytest.mark.slow
 
 def test_readme_build_of_the_bundled_model(tmp_path):
     run = tmp_path / "smollm2"
-    result = quantforge_cli("build", "smollm2-135m", "--formats", "gguf-f16,gguf-q8_0,gguf-q5km,gguf-q4km",
+    # One run of the one small model covers the README's GGUF job and a calibrated format with the group-size
+    # fallback that SmolLM2's width 576 needs.
+    result = quantforge_cli("build", "smollm2-135m", "--formats", "gguf-f16,gguf-q8_0,gguf-q5km,gguf-q4km,gptq-int4",
+                            "--group-size", "auto", "--calib-samples", "8", "--calib-seqlen", "128",
                             "--out", str(run), env={"HF_HUB_OFFLINE": "1"}, timeout=1800)
     assert result.returncode == 0, result.stderr[-3000:]
     card = read_json(run / "card.json")
@@ -29,6 +32,10 @@ def test_readme_build_of_the_bundled_model(tmp_path):
     q4 = next(e for e in card["formats"] if e["key"] == "gguf-q4km")
     assert q4["quantize"]["fallback_tensors"] > 0
     assert "fell back" in (run / "card.md").read_text()
+    gptq = next(e for e in card["formats"] if e["key"] == "gptq-int4")
+    assert gptq["quantize"]["group_size"] == 64 and "used 64" in gptq["quantize"]["group_size_note"]
+    assert "used 64 (--group-size auto)" in (run / "card.md").read_text()
+    assert metrics["gptq-int4"]["perplexity_increase_pct"] < 60
     decision = card["decision"]
     assert decision["recommended"] is not None
     assert {v["key"] for v in decision["verdicts"]} == set(metrics)

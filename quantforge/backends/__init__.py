@@ -58,8 +58,9 @@ class QuantizeJob:
     format: Format
     settings: dict
     out: Path  # a temporary path; the backend creates it (a folder), the pipeline renames it when complete
-    intermediate: Callable[..., Path]  # shared, manifest-recorded intermediate files (see Pipeline.intermediate)
+    intermediate: Callable[..., Path]  # shared, manifest-recorded intermediate files (see Build.intermediate)
     log_dir: Path  # where library output (per-tensor lines and such) goes instead of the terminal
+    calibration: Path | None = None  # the run's calibration tokens, [samples, seqlen] int32 (.npy)
     threads: int = 2
     log: Callable[[str], None] = print
 
@@ -72,6 +73,10 @@ class Backend(abc.ABC):
     # Importable modules this backend needs, and the pip extra that installs them.
     requires: ClassVar[tuple[str, ...]] = ()
     extra: ClassVar[str] = ""
+    # Formats this backend makes only when asked with --backend (another backend is their default).
+    alternative_for: ClassVar[frozenset[str]] = frozenset()
+    # Whether quantize() reads the run's calibration set (job.calibration).
+    needs_calibration: ClassVar[bool] = False
 
     def unavailable_reason(self) -> str | None:
         """Why this backend cannot run on this host, or None. Must not import the heavy library."""
@@ -117,8 +122,8 @@ class Choice:
 
 def default_backend_name(format_name: str, backends: dict[str, Backend]) -> str:
     makers = [name for name, backend in backends.items() if format_name in backend.formats]
-    # The first registered maker is the default; our own entry points are declared in the preferred order.
-    return makers[0]
+    preferred = [name for name in makers if format_name not in backends[name].alternative_for]
+    return (preferred or makers)[0]
 
 
 def resolve_formats(

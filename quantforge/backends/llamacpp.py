@@ -5,16 +5,14 @@ The F16 file is a shared intermediate of the run: converted once, quantized into
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Iterator
-
 import numpy as np
 
 from ..errors import QuantforgeError
+from ..logs import capture_output
 from . import Backend, Format, LogitsRunner, QuantizeJob
 
 GGUF_RUNTIMES = ("llama.cpp", "ollama")
@@ -43,20 +41,6 @@ def prepare_llama_cpp_env() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-@contextlib.contextmanager
-def stderr_to(path: Path) -> Iterator[None]:
-    """Send the C library's stderr (one line per tensor while quantizing) to a log file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    saved = os.dup(2)
-    with open(path, "ab") as log:
-        os.dup2(log.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
 def gguf_file_in(folder: Path) -> Path:
     files = sorted(folder.glob("*.gguf"))
     if len(files) != 1:
@@ -80,7 +64,7 @@ def quantize_gguf(source: Path, target: Path, ftype: int, threads: int, log_path
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
     params.nthread = threads
-    with stderr_to(log_path):
+    with capture_output(log_path):
         status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params))
     if status != 0:
         raise QuantforgeError(f"llama.cpp's quantizer failed (status {status}); see {log_path}")

@@ -1,0 +1,63 @@
+"""GPTQ int4/int8 and AWQ int4 through GPTQModel, as the classic checkpoints vLLM and transformers load.
+
+- gptq-int4 / gptq-int8: ``quant_method: gptq`` (qweight/qzeros/scales/g_idx), symmetric, group 128, act-order
+  (``desc_act``) as a setting: the layout of Qwen's -GPTQ-Int4/-Int8 releases.
+- awq: ``quant_method: awq``, GEMM packing, 4-bit, group 128, with zero points (asymmetric), as AutoAWQ wrote it.
+
+Measured facts this relies on (GPTQModel 7.6, torch 2.13 CPU): GPTQModel needs GPTQMODEL_CPU_WORKERS set on a
+2-core machine or it refuses to start; AWQ on CPU needs the torch backend and a bf16/fp16 model (fp32 fails when
+packing); ``offload_to_disk`` writes a random temporary path into config.json, so it is turned off to keep
+artifacts reproducible.
+"""
+
+from __future__ import annotations
+
+import os
+
+from . import Format, QuantizeJob
+from .hf import VLLM_RUNTIMES, HFFolderBackend, load_calibration, move_logs
+
+FORMATS = {
+    "gptq-int4": Format("gptq-int4", "hf", "GPTQ W4A16", VLLM_RUNTIMES, 4.25, "GPTQ 4-bit (vLLM, transformers)"),
+    "gptq-int8": Format("gptq-int8", "hf", "GPTQ W8A16", VLLM_RUNTIMES, 8.25, "GPTQ 8-bit (vLLM, transformers)"),
+    "awq": Format("awq", "hf", "AWQ W4A16 GEMM", VLLM_RUNTIMES, 4.25, "AWQ 4-bit GEMM (vLLM, transformers)"),
+}
+BITS = {"gptq-int4": 4, "gptq-int8": 8, "awq": 4}
+
+
+class GPTQModelBackend(HFFolderBackend):
+    name = "gptqmodel"
+    formats = FORMATS
+    requires = ("gptqmodel", "optimum")
+    extra = "gptq"
+
+    def quantize(self, job: QuantizeJob) -> dict:
+        os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(2, job.threads)))
+        import torch
+        from gptqmodel import BACKEND, GPTQModel, QuantizeConfig
+
+        group_size, note = self.group_size(job.source, job.format, job.settings)
+        bits = BITS[job.format.name]
+        act_order = bool(job.settings.get("act_order", False))
+        if job.format.name == "awq":
+            config = QuantizeConfig(bits=bits, group_size=group_size, quant_method="awq", format="gemm", sym=False,
+                                    offload_to_disk=False)
+        else:
+            config = QuantizeConfig(bits=bits, group_size=group_size, desc_act=act_order, sym=True,
+                                    offload_to_disk=False)
+        calibration = load_calibration(job.calibration)
+        samples = [{"input_ids": torch.as_tensor(row, dtype=torch.long)[None],
+                    "attention_mask": torch.ones(1, len(row), dtype=torch.long)} for row in calibration]
+        torch.manual_seed(0)
+        model = GPTQModel.load(str(job.source.path), config, dtype=torch.bfloat16,
+                               trust_remote_code=job.source.trust_remote_code)
+        model.quantize(samples, batch_size=1, backend=BACKEND.TORCH)
+        model.save(str(job.out))
+        move_logs(job.out, job.log_dir, job.format.name, ("quant_log.csv",))
+        facts = {"library": "gptqmodel", "bits": bits, "group_size": group_size, "calibration_samples":
+                 int(calibration.shape[0]), "calibration_seqlen": int(calibration.shape[1])}
+        if job.format.name != "awq":
+            facts["act_order"] = act_order
+        if note:
+            facts["group_size_note"] = note
+        return facts

@@ -1,0 +1,95 @@
+"""What the backends that write Hugging Face folders (GPTQ, AWQ, compressed-tensors) share.
+
+- Group sizes are checked against every Linear's input width before any work: a group must divide the width.
+  With ``--group-size auto`` the largest standard size that divides every width is used and recorded.
+- Evaluation loads the artifact from disk and dequantizes it in plain torch (``quantforge.dequant``), since a CPU
+  has no kernels for most of these formats; runtime-quantized activations (W8A8) are simulated.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import QuantforgeError
+from . import Backend, LogitsRunner
+
+VLLM_RUNTIMES = ("vllm", "transformers")
+GROUP_CANDIDATES = (128, 64, 32, 16)
+
+
+def linear_input_widths(config: dict) -> dict[str, int]:
+    """Input width of each kind of decoder Linear, from the config alone."""
+    hidden = config["hidden_size"]
+    attention = (config.get("num_heads") or 1) * (config.get("head_dim") or 0) or hidden
+    return {
+        "self_attn.{q,k,v}_proj": hidden,
+        "self_attn.o_proj": attention,
+        "mlp.{gate,up}_proj": hidden,
+        "mlp.down_proj": config["intermediate_size"],
+    }
+
+
+def resolve_group_size(config: dict, requested) -> tuple[int, str | None]:
+    """(group size to use, a note when it differs from what was asked), or a one-line error."""
+    widths = linear_input_widths(config)
+    dividing = [g for g in GROUP_CANDIDATES if all(w % g == 0 for w in widths.values())]
+    if requested in (None, "auto"):
+        if not dividing:
+            raise QuantforgeError(f"no group size in {GROUP_CANDIDATES} divides the layer widths {sorted(set(widths.values()))}")
+        chosen = dividing[0]
+        note = None if chosen == GROUP_CANDIDATES[0] else (
+            f"group size {GROUP_CANDIDATES[0]} does not divide every layer width "
+            f"({', '.join(f'{k}: {w}' for k, w in widths.items() if w % GROUP_CANDIDATES[0])}); used {chosen}"
+        )
+        return chosen, note
+    group = int(requested)
+    bad = {name: width for name, width in widths.items() if width % group}
+    if bad:
+        layers = ", ".join(f"{name} ({width})" for name, width in bad.items())
+        options = ", ".join(str(g) for g in dividing) or "none of " + ", ".join(map(str, GROUP_CANDIDATES))
+        raise QuantforgeError(
+            f"group size {group} does not divide the input width of {layers}; group sizes that divide every "
+            f"layer: {options}; pass one with --group-size, or --group-size auto"
+        )
+    return group, None
+
+
+def load_calibration(path: Path | None) -> np.ndarray:
+    if path is None:
+        raise QuantforgeError("this format needs a calibration set, and none was prepared")
+    return np.load(path)
+
+
+def move_logs(out: Path, log_dir: Path, label: str, names: tuple[str, ...]) -> None:
+    """Library side files that are logs, not model (their timings would make the artifact differ run to run)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        if (out / name).exists():
+            shutil.move(str(out / name), log_dir / f"{label}-{name}")
+
+
+class HFFolderBackend(Backend):
+    """A backend whose artifacts are HF folders with a quantization_config, evaluated dequantized."""
+
+    needs_calibration = True
+
+    def check(self, source, fmt, settings: dict) -> list[str]:
+        try:
+            self.group_size(source, fmt, settings)
+        except QuantforgeError as exc:
+            return [str(exc)]
+        return []
+
+    def group_size(self, source, fmt, settings: dict) -> tuple[int | None, str | None]:
+        return resolve_group_size(source.config, settings.get("group_size", 128))
+
+    def open_runner(self, artifact_dir: Path, *, context: int, threads: int) -> LogitsRunner:
+        from ..dequant import float_model_from_artifact
+        from ..runners import TorchRunner
+
+        runner = TorchRunner(float_model_from_artifact(artifact_dir), threads)
+        runner.runtime = "transformers (dequantized in torch)"
+        return runner

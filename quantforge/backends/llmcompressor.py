@@ -1,0 +1,81 @@
+"""INT8 W8A8 (SmoothQuant + GPTQ) through llm-compressor, as the compressed-tensors checkpoint vLLM serves.
+
+``int8``: weights int8 per output channel (GPTQ), activations int8 per token, quantized dynamically at run time;
+SmoothQuant first moves activation outliers into the weights. The same library also writes GPTQ W4A16/W8A16 as
+compressed-tensors (``--backend llmcompressor`` for gptq-int4/gptq-int8), the layout vLLM prefers.
+
+Measured facts (llm-compressor 0.14.0.1, CPU): ``oneshot`` runs on CPU; its AWQModifier does not (it needs an
+accelerator), so AWQ comes from GPTQModel; SmoothQuant lives in ``modifiers.transform.smoothquant`` in 0.14.
+"""
+
+from __future__ import annotations
+
+from . import Format, QuantizeJob
+from .hf import VLLM_RUNTIMES, HFFolderBackend, load_calibration
+
+FORMATS = {
+    "int8": Format("int8", "hf", "W8A8 INT8", VLLM_RUNTIMES, 8.1, "INT8 weights and activations (vLLM)"),
+    "gptq-int4": Format("gptq-int4", "hf", "GPTQ W4A16 (compressed-tensors)", VLLM_RUNTIMES, 4.25),
+    "gptq-int8": Format("gptq-int8", "hf", "GPTQ W8A16 (compressed-tensors)", VLLM_RUNTIMES, 8.25),
+}
+SCHEMES = {"int8": "W8A8", "gptq-int4": "W4A16", "gptq-int8": "W8A16"}
+SMOOTHING_STRENGTH = 0.8  # llm-compressor's W8A8 examples
+
+
+class LLMCompressorBackend(HFFolderBackend):
+    name = "llmcompressor"
+    formats = FORMATS
+    requires = ("llmcompressor", "compressed_tensors")
+    extra = "int8"
+    alternative_for = frozenset({"gptq-int4", "gptq-int8"})
+
+    def group_size(self, source, fmt, settings: dict):
+        if fmt.name == "int8":
+            return None, None  # per output channel: no groups
+        return super().group_size(source, fmt, settings)
+
+    def quantize(self, job: QuantizeJob) -> dict:
+        import torch
+        from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+        from datasets import Dataset
+        from llmcompressor import oneshot
+        from llmcompressor.modifiers.quantization import GPTQModifier
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        calibration = load_calibration(job.calibration)
+        dataset = Dataset.from_dict({"input_ids": [row.tolist() for row in calibration],
+                                     "attention_mask": [[1] * calibration.shape[1]] * calibration.shape[0]})
+        group_size, note = self.group_size(job.source, job.format, job.settings)
+        scheme = SCHEMES[job.format.name]
+        recipe = []
+        if job.format.name == "int8":
+            from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
+
+            recipe.append(SmoothQuantModifier(smoothing_strength=SMOOTHING_STRENGTH))
+            gptq = GPTQModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
+        else:
+            bits = 4 if scheme == "W4A16" else 8
+            weights = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="group",
+                                       group_size=group_size, actorder="static" if job.settings.get("act_order") else None)
+            gptq = GPTQModifier(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
+                                ignore=["lm_head"])
+        recipe.append(gptq)
+        torch.manual_seed(0)
+        # bf16, as GPTQModel loads it too: the tensors left unquantized (embeddings, norms) are saved in the dtype
+        # the model was calibrated in, and a release ships them in 16 bits.
+        model = AutoModelForCausalLM.from_pretrained(job.source.path, dtype=torch.bfloat16,
+                                                     trust_remote_code=job.source.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(job.source.path)
+        oneshot(model=model, dataset=dataset, recipe=recipe, max_seq_length=int(calibration.shape[1]),
+                num_calibration_samples=int(calibration.shape[0]))
+        model.save_pretrained(job.out, save_compressed=True)
+        tokenizer.save_pretrained(job.out)
+        facts = {"library": "llmcompressor", "scheme": scheme, "calibration_samples": int(calibration.shape[0]),
+                 "calibration_seqlen": int(calibration.shape[1])}
+        if job.format.name == "int8":
+            facts["smoothquant_strength"] = SMOOTHING_STRENGTH
+        else:
+            facts["group_size"] = group_size
+        if note:
+            facts["group_size_note"] = note
+        return facts

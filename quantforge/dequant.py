@@ -1,0 +1,177 @@
+"""Dequantize quantized HF checkpoints from disk into a float torch model, in plain torch.
+
+Used to evaluate GPTQ, AWQ and compressed-tensors artifacts on a CPU that has no kernel for them, on the same
+footing as the float reference. One small function per checkpoint format, keyed by ``quant_method``:
+
+- ``gptq`` (classic, "v1"): qweight packs 32/bits input rows per int32; qzeros packs output columns and stores
+  each zero point minus one; scales and g_idx give each input row's group.
+- ``awq`` (GEMM): qweight and qzeros pack 8 output columns per int32 in the interleaved order 0,2,4,6,1,3,5,7;
+  zero points are stored as they are.
+- ``compressed-tensors``: ``int-quantized`` stores int8 weights with per-channel scales; ``pack-quantized`` packs
+  signed 4/8-bit values with an offset of 2^(bits-1), 32/bits per int32 along the input dimension.
+
+Formats whose activations are quantized at run time (W8A8: dynamic per-token int8) get that applied to each
+quantized Linear's input, as vLLM's kernels do.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .errors import QuantforgeError
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def _shifts(bits: int) -> torch.Tensor:
+    return torch.arange(0, 32, bits, dtype=torch.int32)
+
+
+def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """[R, C] int32 -> [R * 32/bits, C]: values packed along the first dimension, lowest bits first."""
+    values = (packed.unsqueeze(1) >> _shifts(bits)[None, :, None]) & ((1 << bits) - 1)
+    return values.reshape(-1, packed.shape[1])
+
+
+def unpack_cols(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """[R, C] int32 -> [R, C * 32/bits]: values packed along the second dimension, lowest bits first."""
+    values = (packed.unsqueeze(2) >> _shifts(bits)[None, None, :]) & ((1 << bits) - 1)
+    return values.reshape(packed.shape[0], -1)
+
+
+def dequantize_gptq(tensors: dict[str, torch.Tensor], prefix: str, config: dict) -> torch.Tensor:
+    bits = config["bits"]
+    qweight, scales = tensors[f"{prefix}.qweight"], tensors[f"{prefix}.scales"].float()
+    out_features = scales.shape[1]
+    weight = unpack_rows(qweight, bits)
+    zeros = unpack_cols(tensors[f"{prefix}.qzeros"], bits)[:, :out_features]
+    if config.get("checkpoint_format", "gptq") == "gptq":
+        zeros = zeros + 1  # classic GPTQ stores zero - 1
+    in_features = weight.shape[0]
+    g_idx = tensors.get(f"{prefix}.g_idx")
+    groups = g_idx.long() if g_idx is not None else torch.arange(in_features) // config["group_size"]
+    return ((weight - zeros[groups]).float() * scales[groups]).T.contiguous()
+
+
+def _awq_unpack(packed: torch.Tensor) -> torch.Tensor:
+    raw = unpack_cols(packed, 4).reshape(packed.shape[0], -1, 8)
+    ordered = torch.empty_like(raw)
+    ordered[:, :, AWQ_ORDER] = raw  # bit slot j holds column AWQ_ORDER[j]
+    return ordered.reshape(packed.shape[0], -1)
+
+
+def dequantize_awq(tensors: dict[str, torch.Tensor], prefix: str, config: dict) -> torch.Tensor:
+    if config.get("bits", 4) != 4:
+        raise QuantforgeError("only 4-bit AWQ (GEMM) checkpoints can be dequantized")
+    weight = _awq_unpack(tensors[f"{prefix}.qweight"])
+    zeros = _awq_unpack(tensors[f"{prefix}.qzeros"])
+    scales = tensors[f"{prefix}.scales"].float()
+    groups = torch.arange(weight.shape[0]) // config["group_size"]
+    return ((weight - zeros[groups]).float() * scales[groups]).T.contiguous()
+
+
+def dequantize_compressed(tensors: dict[str, torch.Tensor], prefix: str, config: dict) -> torch.Tensor:
+    scale = tensors[f"{prefix}.weight_scale"].float()
+    if f"{prefix}.weight_packed" in tensors:
+        bits = _weights_scheme(config)["num_bits"]
+        packed = tensors[f"{prefix}.weight_packed"]
+        rows, cols = (int(x) for x in tensors[f"{prefix}.weight_shape"].tolist())
+        values = unpack_cols(packed, bits)[:, :cols].float() - (1 << (bits - 1))
+    else:
+        values = tensors[f"{prefix}.weight"].float()
+        rows, cols = values.shape
+    if scale.shape[1] == 1:  # per output channel
+        return values * scale
+    group = cols // scale.shape[1]
+    return values * scale.repeat_interleave(group, dim=1)
+
+
+def _weights_scheme(config: dict) -> dict:
+    groups = config.get("config_groups") or {}
+    if len(groups) != 1:
+        raise QuantforgeError("compressed-tensors checkpoints with several quantization groups are not supported")
+    return next(iter(groups.values()))["weights"]
+
+
+def _activation_scheme(config: dict) -> dict | None:
+    groups = config.get("config_groups") or {}
+    return next(iter(groups.values())).get("input_activations") if groups else None
+
+
+DEQUANTIZERS: dict[str, tuple[str, Callable]] = {
+    # quant_method -> (the tensor suffix that marks a quantized Linear, dequantizer)
+    "gptq": ("qweight", dequantize_gptq),
+    "awq": ("qweight", dequantize_awq),
+    "compressed-tensors": ("weight_scale", dequantize_compressed),
+}
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def dequantized_state_dict(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The artifact's config (without quantization_config) and a float state dict of every tensor."""
+    config = json.loads((folder / "config.json").read_text())
+    quant = config.pop("quantization_config", None)
+    if quant is None:
+        raise QuantforgeError(f"{folder}/config.json has no quantization_config")
+    method = quant.get("quant_method")
+    if method not in DEQUANTIZERS:
+        raise QuantforgeError(f"cannot dequantize quant_method '{method}' (known: {', '.join(DEQUANTIZERS)})")
+    marker, dequantize = DEQUANTIZERS[method]
+    tensors = read_tensors(folder)
+    prefixes = sorted({name[: -len(marker) - 1] for name in tensors if name.endswith("." + marker)})
+    state = {}
+    for prefix in prefixes:
+        state[f"{prefix}.weight"] = dequantize(tensors, prefix, quant)
+    quantized = set(prefixes)
+    for name, tensor in tensors.items():
+        owner, _, leaf = name.rpartition(".")
+        if owner in quantized and leaf != "bias":
+            continue
+        state[name] = tensor.float() if tensor.is_floating_point() else tensor
+    return {**config, "_quantization_config": quant, "_quantized_modules": prefixes}, state
+
+
+def quantize_activations_per_token(module: torch.nn.Module, args):
+    """Dynamic symmetric int8 per token, as W8A8 kernels quantize a Linear's input at run time."""
+    (x,) = args
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127.0
+    return (torch.round(x / scale).clamp(-128, 127) * scale,)
+
+
+def float_model_from_artifact(folder: Path, *, trust_remote_code: bool = False) -> torch.nn.Module:
+    """A float32 model holding the dequantized weights of a quantized HF folder (activations simulated too)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_dict, state = dequantized_state_dict(folder)
+    quant = config_dict.pop("_quantization_config")
+    quantized = config_dict.pop("_quantized_modules")
+    config = AutoConfig.for_model(**{k: v for k, v in config_dict.items() if not k.startswith("_")})
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():  # every weight is overwritten below: skip the random initialisation
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise QuantforgeError(
+            f"{folder} does not match its architecture: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    model.tie_weights()
+    activations = _activation_scheme(quant) if quant.get("quant_method") == "compressed-tensors" else None
+    if activations and activations.get("dynamic") and activations.get("num_bits") == 8:
+        modules = dict(model.named_modules())
+        for prefix in quantized:
+            modules[prefix].register_forward_pre_hook(quantize_activations_per_token)
+    return model.eval()

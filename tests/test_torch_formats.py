@@ -1,0 +1,146 @@
+"""GPTQ int4/int8, AWQ and INT8 W8A8 with the real libraries on the tiny model: checkpoints, reload, evaluation."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import FAST_EVAL, quantforge_cli, read_json
+from quantforge.dequant import dequantized_state_dict
+
+TORCH_FORMATS = "gptq-int4,gptq-int8,awq,int8"
+CALIBRATION = ["--calib-samples", "8", "--calib-seqlen", "128"]
+
+
+@pytest.fixture(scope="module")
+def torch_run(tiny_llama, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("runs") / "torch-formats"
+    result = quantforge_cli("build", str(tiny_llama), "--formats", TORCH_FORMATS, "--out", str(out), *FAST_EVAL,
+                            *CALIBRATION)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def _tensor_names(folder: Path) -> set[str]:
+    with safe_open(folder / "model.safetensors", framework="pt") as handle:
+        return set(handle.keys())
+
+
+@pytest.mark.parametrize(
+    "key, method, expected",
+    [
+        ("gptq-int4", "gptq", {"bits": 4, "group_size": 128, "desc_act": False, "sym": True}),
+        ("gptq-int8", "gptq", {"bits": 8, "group_size": 128}),
+        ("awq", "awq", {"bits": 4, "group_size": 128, "zero_point": True}),
+    ],
+)
+def test_classic_checkpoints(torch_run, key, method, expected):
+    folder = torch_run / "artifacts" / key
+    quant = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert quant["quant_method"] == method
+    for name, value in expected.items():
+        assert quant[name] == value, name
+    names = _tensor_names(folder)
+    layer = "model.layers.0.self_attn.q_proj"
+    suffixes = ("qweight", "qzeros", "scales", "g_idx") if method == "gptq" else ("qweight", "qzeros", "scales")
+    assert {f"{layer}.{s}" for s in suffixes} <= names
+    assert f"{layer}.weight" not in names
+    if method == "awq":
+        assert quant.get("version", quant.get("format")) == "gemm"
+
+
+def test_int8_is_a_w8a8_compressed_tensors_checkpoint(torch_run):
+    folder = torch_run / "artifacts" / "int8"
+    quant = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert quant["quant_method"] == "compressed-tensors" and quant["format"] == "int-quantized"
+    group = next(iter(quant["config_groups"].values()))
+    assert group["weights"]["num_bits"] == 8 and group["weights"]["strategy"] == "channel"
+    assert group["input_activations"]["dynamic"] and group["input_activations"]["strategy"] == "token"
+    with safe_open(folder / "model.safetensors", framework="pt") as handle:
+        assert handle.get_tensor("model.layers.0.mlp.down_proj.weight").dtype == torch.int8
+
+
+def test_dequantized_weights_are_close_to_the_originals(torch_run, tiny_llama):
+    from safetensors.torch import load_file
+
+    original = load_file(tiny_llama / "model.safetensors")["model.layers.1.mlp.down_proj.weight"].float()
+    errors = {}
+    for key in ("gptq-int4", "gptq-int8", "awq"):
+        _, state = dequantized_state_dict(torch_run / "artifacts" / key)
+        weight = state["model.layers.1.mlp.down_proj.weight"]
+        errors[key] = float((weight - original).norm() / original.norm())
+    # A wrong unpacking order or zero-point convention gives errors near 1 or above.
+    assert errors["gptq-int8"] < 0.02
+    assert errors["gptq-int4"] < 0.2 and errors["awq"] < 0.2
+
+
+def test_every_format_is_evaluated_from_disk_and_int8_is_closer_than_int4(torch_run):
+    card = read_json(torch_run / "card.json")
+    metrics = {e["key"]: e["metrics"] for e in card["formats"]}
+    assert set(metrics) == set(TORCH_FORMATS.split(","))
+    reference = card["reference"]["perplexity"]
+    for key, m in metrics.items():
+        assert abs(m["perplexity"] / reference - 1) < 0.1, key
+    assert metrics["gptq-int8"]["kld_mean"] < metrics["gptq-int4"]["kld_mean"]
+    assert metrics["int8"]["kld_mean"] < metrics["awq"]["kld_mean"]
+    stages = read_json(torch_run / "run.json")["stages"]
+    assert stages["calibration"]["result"]["samples"] == 8
+    # Every calibrating format used the one calibration set of the run.
+    digests = {stages[f"quantize/{k}"]["inputs"]["calibration"] for k in TORCH_FORMATS.split(",")}
+    assert len(digests) == 1
+
+
+@pytest.mark.parametrize("key", TORCH_FORMATS.split(","))
+def test_artifact_loads_in_transformers_and_generates(torch_run, key):
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = torch_run / "artifacts" / key
+    model = AutoModelForCausalLM.from_pretrained(folder, device_map="cpu")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    inputs = tokenizer("The capital of France is", return_tensors="pt")
+    output = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    assert output.shape[1] == inputs["input_ids"].shape[1] + 3
+
+
+def test_llmcompressor_writes_gptq_as_compressed_tensors(tiny_llama, tmp_path):
+    out = tmp_path / "run"
+    result = quantforge_cli("build", str(tiny_llama), "--formats", "gptq-int4", "--backend", "llmcompressor",
+                            "--out", str(out), *FAST_EVAL, *CALIBRATION)
+    assert result.returncode == 0, result.stderr[-3000:]
+    folder = out / "artifacts" / "gptq-int4@llmcompressor"
+    quant = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert quant["quant_method"] == "compressed-tensors" and quant["format"] == "pack-quantized"
+    card = read_json(out / "card.json")
+    assert card["formats"][0]["key"] == "gptq-int4@llmcompressor"
+    assert card["formats"][0]["metrics"]["kld_mean"] > 0
+
+
+def test_group_size_that_does_not_divide_is_refused_up_front(smollm2_dir, tmp_path):
+    result = quantforge_cli("build", str(smollm2_dir), "--formats", "gptq-int4,awq", "--out", str(tmp_path / "r"),
+                            *FAST_EVAL, *CALIBRATION)
+    assert result.returncode == 2
+    assert "group size 128 does not divide the input width of self_attn.{q,k,v}_proj (576)" in result.stderr
+    assert "group sizes that divide every layer: 64, 32, 16" in result.stderr
+    assert not (tmp_path / "r" / "artifacts").exists()
+
+
+def test_missing_calibration_file_is_a_clear_error(tiny_llama, tmp_path):
+    result = quantforge_cli("build", str(tiny_llama), "--formats", "gptq-int4", "--calibration",
+                            str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "r"), *FAST_EVAL)
+    assert result.returncode == 2
+    assert "calibration set" in result.stderr and "--calibration FILE" in result.stderr
+
+
+def test_too_small_calibration_set_is_a_clear_error(tiny_llama, tmp_path):
+    small = tmp_path / "small.txt"
+    small.write_text("just a few words of calibration text")
+    result = quantforge_cli("build", str(tiny_llama), "--formats", "gptq-int4", "--calibration", str(small),
+                            "--out", str(tmp_path / "r"), *FAST_EVAL, *CALIBRATION)
+    assert result.returncode == 2
+    assert "fewer than the 1024 asked for (8 samples x 128 tokens)" in result.stderr
