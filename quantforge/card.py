@@ -30,9 +30,33 @@ CONVENTION = (
 )
 
 
+def _task_results(manifest: Manifest, key: str) -> dict:
+    names = (manifest.data.get("plan", {}).get("tasks") or {}).get("names") or []
+    found = {}
+    for name in names:
+        stage = manifest.stage(f"tasks/{key}/{name}")
+        if stage:
+            found[name] = stage["result"]
+    return found
+
+
+def _with_recovery(results: dict, reference: dict) -> tuple[dict, float | None]:
+    """Per-task accuracy with recovery against the reference (same task, same limit), and their mean."""
+    tasks = {}
+    for name, result in results.items():
+        base = reference.get(name)
+        recovery = 100.0 * result["value"] / base["value"] if base and base["value"] else None
+        tasks[name] = {"metric": result["metric"], "value": result["value"], "stderr": result["stderr"],
+                       "samples": result["samples"], "recovery_pct": recovery}
+    recoveries = [t["recovery_pct"] for t in tasks.values() if t["recovery_pct"] is not None]
+    complete = reference and len(recoveries) == len(reference)
+    return tasks, (sum(recoveries) / len(recoveries) if recoveries and complete else None)
+
+
 def _format_entries(manifest: Manifest) -> list[dict]:
     plan = manifest.data.get("plan", {})
     reference = manifest.stage("reference")["result"]
+    reference_tasks = _task_results(manifest, "reference")
     entries = []
     for key, info in plan.get("artifacts", {}).items():
         quantized = manifest.stage(f"quantize/{key}")
@@ -52,6 +76,16 @@ def _format_entries(manifest: Manifest) -> list[dict]:
             metrics = {k: result[k] for k in ("perplexity", "perplexity_stderr", "kld_mean", "kld_median", "kld_p99",
                                               "top1_agreement", "tokens_scored") if k in result}
             metrics["perplexity_increase_pct"] = 100.0 * (result["perplexity"] / reference["perplexity"] - 1.0)
+            tasks, mean_recovery = _with_recovery(_task_results(manifest, key), reference_tasks)
+            if tasks:
+                entry["tasks"] = tasks
+            if mean_recovery is not None:
+                metrics["task_recovery_pct"] = mean_recovery
+        speed = manifest.stage(f"speed/{key}")
+        if speed:
+            entry["speed"] = speed["result"]
+            if speed["result"].get("measured") and "metrics" in entry:
+                entry["metrics"]["decode_tps"] = speed["result"]["decode_tps"]
             entry["metrics"] = metrics
             entry["how"] = {k: result.get(k) for k in ("runtime", "threads", "flash_attn", "eval_seconds",
                                                         "eval_tokens_per_second")}
@@ -79,7 +113,9 @@ def build_card(run_dir: Path, targets: Targets) -> dict:
         "schema": CARD_SCHEMA,
         "model": manifest.stage("fetch")["result"] | {"parameters": plan.get("parameters")},
         "evaluation": {**plan.get("evaluation", {}), "convention": CONVENTION},
-        "reference": reference["result"],
+        "reference": {**reference["result"], "tasks": _with_recovery(_task_results(manifest, "reference"), {})[0],
+                      "speed": (manifest.stage("speed/reference") or {}).get("result")},
+        "host": (manifest.stage("host") or {}).get("result"),
         "calibration": (manifest.stage("calibration") or {}).get("result"),
         "formats": entries,
         "incomplete": [e["key"] for e in entries if not e["complete"]],
@@ -104,6 +140,62 @@ def _size(size_bytes: int) -> str:
 
 def _num(value, digits=3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _tasks_table(card: dict) -> list[str]:
+    reference = card["reference"].get("tasks") or {}
+    if not reference:
+        return []
+    names = list(reference)
+    lines = ["", "## Task accuracy (lm-evaluation-harness)", "",
+             "| format | " + " | ".join(f"{n} ({reference[n]['metric']})" for n in names) + " | mean recovery |",
+             "|---|" + "---|" * (len(names) + 1)]
+
+    def cell(task):
+        if not task:
+            return "n/a"
+        err = f" ± {task['stderr']:.3f}" if task.get("stderr") is not None else ""
+        rec = f" ({task['recovery_pct']:.1f}%)" if task.get("recovery_pct") is not None else ""
+        return f"{task['value']:.3f}{err}{rec}"
+
+    lines.append("| reference | " + " | ".join(cell(reference[n]) for n in names) + " | 100% |")
+    for entry in card["formats"]:
+        tasks = entry.get("tasks") or {}
+        mean = (entry.get("metrics") or {}).get("task_recovery_pct")
+        lines.append(f"| {entry['key']} | " + " | ".join(cell(tasks.get(n)) for n in names) +
+                     f" | {'n/a' if mean is None else f'{mean:.1f}%'} |")
+    samples = {reference[n]["samples"] for n in names}
+    lines.append("")
+    lines.append(f"Samples per task: {', '.join(str(x) for x in sorted(samples, key=str))}; recovery = format / "
+                 "reference on the same examples. Every format scored in its own runtime through one lm-eval adapter.")
+    return lines
+
+
+def _speed_table(card: dict) -> list[str]:
+    rows = [("reference", card["reference"].get("speed"))] + [(e["key"], e.get("speed")) for e in card["formats"]]
+    rows = [(key, speed) for key, speed in rows if speed]
+    if not rows:
+        return []
+    first = rows[0][1]
+    lines = ["", "## Decode speed (this host) and the memory-bandwidth roofline", "",
+             f"Prompt {first['prompt_tokens']} tokens, {first['gen_tokens']} generated greedily, median of "
+             f"{first['runs']} runs after a warm-up, {first['threads']} threads; host bandwidth "
+             f"{first['host_bandwidth_gbs']:.1f} GB/s (measured). GPU bounds are computed, not measured.", "",
+             "| format | runtime | prompt tok/s | decode tok/s | TTFT s | TPOT ms | peak MB | host bound tok/s | "
+             "of bound | H100 bound tok/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for key, speed in rows:
+        bound = speed["host_decode_tps_bound"]
+        h100 = speed["gpus"]["H100"]["decode_tps_bound"]
+        if not speed.get("measured"):
+            lines.append(f"| {key} | not measured here (see below) | | | | | | {bound:.0f} | | {h100:.0f} |")
+            continue
+        lines.append(
+            f"| {key} | {speed['runtime']} | {speed['prompt_tps']:.0f} | {speed['decode_tps']:.1f} | "
+            f"{speed['ttft_s']:.3f} | {1000 * speed['tpot_s']:.1f} | {speed['peak_rss_mb']:.0f} | {bound:.0f} | "
+            f"{100 * speed['fraction_of_roofline']:.0f}% | {h100:.0f} |"
+        )
+    lines += [""] + [f"- {key}: not measured here: {speed['reason']}." for key, speed in rows if not speed.get("measured")]
+    return lines
 
 
 def render_markdown(card: dict) -> str:
@@ -148,6 +240,8 @@ def render_markdown(card: dict) -> str:
             f"{_num(m.get('perplexity'))} | {m['perplexity_increase_pct']:+.2f}% | {_num(m.get('kld_mean'), 4)} | "
             f"{_num(m.get('kld_p99'), 4)} | {_num(m.get('top1_agreement'), 3)} | {entry['how']['runtime']} |"
         )
+    lines += _tasks_table(card)
+    lines += _speed_table(card)
     text = ev.get("text", {})
     targets = {k: v for k, v in card["targets"].items() if v is not None}
     lines += [
@@ -162,8 +256,9 @@ def render_markdown(card: dict) -> str:
         f"- {ev['convention']}. llama.cpp's llama-perplexity scores only the second half of each window: its "
         "figures are not comparable with these.",
         "- KL divergence: reference top-128 distribution plus the remaining mass against the artifact's, per token.",
-        "- Every artifact was loaded from disk in its own runtime; llama.cpp ran with flash attention off and "
-        "OMP_WAIT_POLICY=PASSIVE.",
+        "- Every artifact was loaded from disk: GGUF files in llama.cpp (flash attention off, OMP_WAIT_POLICY=PASSIVE), "
+        "HF-folder formats (GPTQ, AWQ, INT8) dequantized in torch with their runtime activation quantization "
+        "simulated; the reference is the float model in transformers.",
         f"- Bits per weight: tensor bytes in the artifact x 8 / parameters of the unquantized model.",
         f"- Targets: {', '.join(f'{k}={v}' for k, v in targets.items())}.",
     ]

@@ -70,6 +70,13 @@ def main() -> None:
 @click.option("--max-kld", type=float, help="Target: largest mean KL divergence against the reference.")
 @click.option("--min-top1-agreement", type=float, help="Target: smallest top-1 token agreement (0-1).")
 @click.option("--threads", type=int, help="CPU threads for quantization and evaluation (default: all cores).")
+@click.option("--tasks", "task_names", help="Comma-separated lm-eval tasks (arc_easy, hellaswag, piqa, winogrande, "
+              "lambada; all five when only --tasks-data is given).")
+@click.option("--tasks-data", type=click.Path(path_type=Path), help="Folder holding the tasks' data files.")
+@click.option("--limit", type=int, help="Examples per task (default: all).")
+@click.option("--speed/--no-speed", default=True, help="Run the decode-speed probe (default on).")
+@click.option("--prompt-tokens", type=int, default=128, show_default=True, help="Speed probe prompt length.")
+@click.option("--gen-tokens", type=int, default=64, show_default=True, help="Speed probe generated tokens.")
 @click.option("--calibration", help="Calibration set: a name (c4, wikitext2-train, pile-val, stdlib-docstrings; "
               "'auto' = c4 if it can be had, else stdlib-docstrings) or a local .txt/.jsonl file.")
 @click.option("--calib-samples", type=int, help="Calibration sequences (default 128).")
@@ -81,8 +88,8 @@ def main() -> None:
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model repo's own Python code to run.")
 @click.option("--json", "as_json", is_flag=True, help="Print the card as JSON on stdout.")
 def build(model, formats, backends, out, recipe_file, force, eval_text, ppl_context, ppl_windows, max_ppl_increase,
-          max_kld, min_top1_agreement, threads, calibration, calib_samples, calib_seqlen, group_size, act_order,
-          allow_pickle, trust_remote_code, as_json):
+          max_kld, min_top1_agreement, threads, task_names, tasks_data, limit, speed, prompt_tokens, gen_tokens,
+          calibration, calib_samples, calib_seqlen, group_size, act_order, allow_pickle, trust_remote_code, as_json):
     """Fetch MODEL (a recipe, Hub id, local folder or bundled model), quantize, evaluate, write the card."""
     from .pipeline import BuildRequest
     from .pipeline import build as run_build
@@ -94,6 +101,8 @@ def build(model, formats, backends, out, recipe_file, force, eval_text, ppl_cont
         model=model, formats=_split(formats), backends=_split(backends), out=out, recipe_file=recipe_file,
         force=force, eval_text=eval_text, ppl_context=ppl_context, ppl_windows=ppl_windows,
         max_ppl_increase=max_ppl_increase, max_kld=max_kld, min_top1_agreement=min_top1_agreement, threads=threads,
+        tasks=_split(task_names), tasks_data=tasks_data, limit=limit, speed=speed, prompt_tokens=prompt_tokens,
+        gen_tokens=gen_tokens,
         calibration=calibration, calib_samples=calib_samples, calib_seqlen=calib_seqlen, group_size=group_size,
         act_order=act_order, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
         command="quantforge " + " ".join(shlex.quote(a) for a in sys.argv[1:]),

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
+import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 
 @contextlib.contextmanager
@@ -32,3 +34,39 @@ def capture_output(path: Path) -> Iterator[None]:
             os.dup2(saved[1], 2)
             for fd in saved:
                 os.close(fd)
+
+
+@contextlib.contextmanager
+def follow_progress(path: Path, pattern: str | None, report: Callable[[int, int], None]) -> Iterator[None]:
+    """Turn a library's own progress lines in its log ("Quantizing layer 7 of 29") into our progress bar.
+
+    ``pattern`` has two groups, (done, total); the last match in the log wins.
+    """
+    if not pattern:
+        yield
+        return
+    regex = re.compile(pattern.encode())
+    stop = threading.Event()
+
+    def poll():
+        offset = 0
+        while not stop.wait(0.5):
+            try:
+                with open(path, "rb") as handle:
+                    handle.seek(offset)
+                    chunk = handle.read()
+            except OSError:
+                continue
+            offset += len(chunk)
+            matches = regex.findall(chunk)
+            if matches:
+                done, total = (int(x) for x in matches[-1])
+                report(done, total)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

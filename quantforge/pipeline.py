@@ -7,6 +7,7 @@ and its outputs are still on disk. The card is re-rendered from the manifest at 
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ from .decide import Targets
 from .errors import QuantforgeError
 from .evaluate import EvalSettings, load_reference, make_windows, save_reference, score_artifact, score_reference
 from .fsutil import atomic_output, atomic_write_json
-from .logs import capture_output
+from .logs import capture_output, follow_progress
 from .manifest import Manifest, RunLock, clean_partials, run_stage
 from .recipes import Recipe, find_recipe, known_recipes, load_recipe
 from .source import ModelSpec, SourceModel, fetch, parse_model_ref
@@ -47,6 +48,12 @@ class BuildRequest:
     max_kld: float | None = None
     min_top1_agreement: float | None = None
     threads: int | None = None
+    tasks: list[str] | None = None
+    tasks_data: Path | None = None
+    speed: bool = True
+    prompt_tokens: int = 128
+    gen_tokens: int = 64
+    limit: int | None = None
     calibration: str | None = None
     calib_samples: int | None = None
     calib_seqlen: int | None = None
@@ -65,6 +72,8 @@ class Plan:
     recipe: Recipe | None
     choices: list[Choice]
     eval: EvalSettings
+    tasks: dict  # names, data (folder), data_files (name -> sha256), limit
+    speed: dict | None  # prompt_tokens, gen_tokens, runs; None when the probe is off
     calibration: CalibrationSettings
     quantize: dict  # settings every backend reads: group_size ("auto" or a number), act_order
     targets: Targets
@@ -89,6 +98,8 @@ class Plan:
                 for c in self.choices
             },
             "eval_settings": self.eval.to_json(),
+            "tasks": {k: (str(v) if k == "data" and v else v) for k, v in self.tasks.items()},
+            "speed": self.speed,
             "calibration": self.calibration.to_json() if self.needs_calibration else None,
             "quantize": self.quantize,
             "targets": self.targets.to_json(),
@@ -157,7 +168,57 @@ def make_plan(request: BuildRequest) -> Plan:
         reason = choice.backend.unavailable_reason()
         if reason:
             raise QuantforgeError(f"format {choice.format.name} needs backend {choice.backend.name}: {reason}")
-    return Plan(spec, recipe, choices, eval_settings, calibration, quantize, targets, run_dir, threads, request)
+    tasks = plan_tasks(request, recipe_eval)
+    speed = None
+    if request.speed:
+        speed = {"prompt_tokens": min(request.prompt_tokens, eval_settings.context), "gen_tokens": request.gen_tokens,
+                 "runs": 3}
+        if speed["prompt_tokens"] < 1 or speed["gen_tokens"] < 2:
+            raise QuantforgeError("--prompt-tokens must be at least 1 and --gen-tokens at least 2")
+    return Plan(spec, recipe, choices, eval_settings, tasks, speed, calibration, quantize, targets, run_dir, threads,
+                request)
+
+
+def plan_tasks(request: BuildRequest, recipe_eval: dict) -> dict:
+    """Which lm-eval tasks run, on what data; checked now so a bad task name costs nothing."""
+    from .fsutil import sha256_file
+    from .tasks import DEFAULT_TASKS, data_file
+
+    names = request.tasks or recipe_eval.get("tasks")
+    data = request.tasks_data or (Path(recipe_eval["tasks_data"]) if recipe_eval.get("tasks_data") else None)
+    if names is None and data is not None:
+        names = list(DEFAULT_TASKS)
+    names = names or []
+    limit = _first(request.limit, recipe_eval.get("limit"))
+    if limit is not None and limit < 1:
+        raise QuantforgeError("--limit must be at least 1")
+    files = {name: sha256_file(data_file(name, data)) for name in names}
+    return {"names": names, "data": data, "data_files": files, "limit": limit}
+
+
+TASK_CONTEXT = 1024  # tokens a runner must take for task requests (longer ones keep their last tokens)
+
+
+class LazyRunner:
+    """Loads a model for evaluation on first use, so stages that are already done never pay for the load."""
+
+    def __init__(self, opener, context: int):
+        self.opener = opener
+        self.context = context
+        self.runner = None
+
+    def get(self):
+        if self.runner is None:
+            self.runner = self.opener()
+        return self.runner
+
+    def __enter__(self) -> "LazyRunner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
 
 
 class Build:
@@ -181,6 +242,12 @@ class Build:
         if result.skipped and description:
             self.ui.skipped(description)
         return result
+
+    def open_reference_runner(self):
+        from .runners import TorchRunner
+
+        return TorchRunner.from_folder(self.source.path, threads=self.plan.threads,
+                                       trust_remote_code=self.plan.request.trust_remote_code)
 
     def digest(self, key: str) -> str:
         return self.manifest.output_digest(key)
@@ -268,17 +335,12 @@ class Build:
                    outputs=[path], produce=produce)
         return path
 
-    def reference(self, windows: np.ndarray) -> Path:
-        from .runners import TorchRunner
-
+    def reference(self, windows: np.ndarray, runner: "LazyRunner") -> Path:
         path = self.run_dir / "work" / "reference.npz"
 
         def produce():
-            runner = TorchRunner.from_folder(self.source.path, threads=self.plan.threads,
-                                             trust_remote_code=self.plan.request.trust_remote_code)
             with self.ui.task("evaluate reference (transformers, float32)", total=len(windows)) as advance:
-                refs, summary = score_reference(runner.logits, windows, advance)
-            runner.close()
+                refs, summary = score_reference(runner.get().logits, windows, advance)
             save_reference(path, refs)
             return {**summary, "runtime": "transformers", "dtype": "float32", "threads": self.plan.threads}
 
@@ -286,6 +348,27 @@ class Build:
                                                               "tokens": self.digest("tokens")},
                    settings={}, outputs=[path], produce=produce)
         return path
+
+    def tasks(self, key: str, runner: "LazyRunner", upstream: str) -> None:
+        """One stage per task, so an interrupted evaluation resumes at the task where it stopped."""
+        from .tasks import run_task
+
+        settings = self.plan.tasks
+        for name in settings["names"]:
+            path = self.run_dir / "evals" / "tasks" / key / f"{name}.json"
+
+            def produce(name=name, path=path):
+                with self.ui.task(f"task {name} on {key}"):
+                    result = run_task(runner.get(), self.source.path, name, settings["data"], settings["limit"],
+                                      self.run_dir / "work", max_length=runner.context)
+                result["runtime"] = runner.get().runtime
+                atomic_write_json(path, result)
+                return result
+
+            data_file = settings["data_files"][name]
+            self.stage(f"tasks/{key}/{name}", f"task {name} on {key}",
+                       inputs={"model": self.digest(upstream), "data": data_file},
+                       settings={"limit": settings["limit"]}, outputs=[path], produce=produce)
 
     def intermediate(self, name: str, build, suffix: str = "") -> Path:
         """A file shared by several formats of the run (the F16 GGUF, say), built once and recorded."""
@@ -307,11 +390,14 @@ class Build:
         uses_calibration = choice.backend.needs_calibration
 
         def produce():
-            with self.ui.task(f"quantize {choice.key} ({choice.backend.name})"), atomic_output(artifact_dir) as tmp:
+            log = log_dir / f"quantize-{choice.key}.log"
+            with self.ui.task(f"quantize {choice.key} ({choice.backend.name})") as advance, \
+                    atomic_output(artifact_dir) as tmp:
                 job = QuantizeJob(self.source, choice.format, self.plan.quantize, tmp, self.intermediate, log_dir,
                                   calibration=calibration if uses_calibration else None, threads=self.plan.threads,
                                   log=self.ui.log)
-                with capture_output(log_dir / f"quantize-{choice.key}.log"):
+                with capture_output(log), follow_progress(log, choice.backend.progress_pattern,
+                                                          lambda done, total: advance(done, total + 1)):
                     facts = choice.backend.quantize(job)
             return {**facts, **measure(choice.backend.artifact_file(artifact_dir), parameters)}
 
@@ -326,25 +412,84 @@ class Build:
     def evaluate(self, choice: Choice, windows: np.ndarray, reference_path: Path) -> None:
         path = self.run_dir / "evals" / f"{choice.key}.json"
         artifact_dir = self.run_dir / "artifacts" / choice.key
+        context = max(int(windows.shape[1]), TASK_CONTEXT if self.plan.tasks["names"] else 0)
+
+        def open_runner():
+            with capture_output(self.run_dir / "logs" / f"evaluate-{choice.key}.log"):
+                return choice.backend.open_runner(artifact_dir, context=context, threads=self.plan.threads)
+
+        with LazyRunner(open_runner, context) as runner:
+            def produce():
+                refs = load_reference(reference_path)
+                with self.ui.task(f"evaluate {choice.key} ({runner.get().runtime})", total=len(windows)) as advance:
+                    summary = score_artifact(runner.get().logits, windows, refs, advance)
+                summary.update(runtime=runner.get().runtime, threads=self.plan.threads,
+                               flash_attn=getattr(runner.get(), "flash_attn", None))
+                atomic_write_json(path, summary)
+                return summary
+
+            self.stage(f"evaluate/{choice.key}", f"evaluate {choice.key}",
+                       inputs={"artifact": self.digest(f"quantize/{choice.key}"), "reference": self.digest("reference"),
+                               "tokens": self.digest("tokens")},
+                       settings={"threads": self.plan.threads}, outputs=[path], produce=produce)
+            self.tasks(choice.key, runner, f"quantize/{choice.key}")
+
+    def host(self) -> dict:
+        """This host's memory bandwidth, measured once per run, for the decode roofline."""
+        from .probe import measure_bandwidth
+
+        path = self.run_dir / "work" / "host.json"
 
         def produce():
-            refs = load_reference(reference_path)
-            with capture_output(self.run_dir / "logs" / f"evaluate-{choice.key}.log"):
-                runner = choice.backend.open_runner(artifact_dir, context=windows.shape[1], threads=self.plan.threads)
-            try:
-                with self.ui.task(f"evaluate {choice.key} ({runner.runtime})", total=len(windows)) as advance:
-                    summary = score_artifact(runner.logits, windows, refs, advance)
-            finally:
-                runner.close()
-            summary.update(runtime=runner.runtime, threads=self.plan.threads,
-                           flash_attn=getattr(runner, "flash_attn", None))
-            atomic_write_json(path, summary)
-            return summary
+            with self.ui.task("measure memory bandwidth"):
+                facts = {"bandwidth_gbs": round(measure_bandwidth(), 2), "method": "numpy copy of 256 MB, best of 5",
+                         "cpus": os.cpu_count()}
+            atomic_write_json(path, facts)
+            return facts
 
-        self.stage(f"evaluate/{choice.key}", f"evaluate {choice.key}",
-                   inputs={"artifact": self.digest(f"quantize/{choice.key}"), "reference": self.digest("reference"),
-                           "tokens": self.digest("tokens")},
-                   settings={"threads": self.plan.threads}, outputs=[path], produce=produce)
+        return self.stage("host", None, inputs={}, settings={}, outputs=[path], produce=produce).result
+
+    def speed(self, key: str, target, weight_bytes: int, prompt: np.ndarray, upstream: str) -> None:
+        """Decode-speed probe in the format's own runtime (a separate process), set beside the roofline."""
+        import subprocess
+        import sys
+
+        from .probe import gpu_rooflines, roofline
+
+        settings = dict(self.plan.speed)
+        path = self.run_dir / "evals" / "speed" / f"{key}.json"
+        bandwidth = self.host()["bandwidth_gbs"]
+
+        def produce():
+            result = {"weight_bytes": weight_bytes, "host_bandwidth_gbs": bandwidth,
+                      "host_decode_tps_bound": roofline(weight_bytes, bandwidth), "gpus": gpu_rooflines(weight_bytes),
+                      "prompt_tokens": settings["prompt_tokens"], "gen_tokens": settings["gen_tokens"],
+                      "runs": settings["runs"], "threads": self.plan.threads}
+            if isinstance(target, str):
+                result.update(measured=False, reason=target)
+            else:
+                runtime, artifact = target
+                prompt_path = self.run_dir / "work" / "probe-prompt.npy"
+                if not prompt_path.exists():
+                    with atomic_output(prompt_path) as tmp, open(tmp, "wb") as handle:
+                        np.save(handle, prompt[: settings["prompt_tokens"]])
+                command = [sys.executable, "-m", "quantforge.probe", "--runtime", runtime, "--path", str(artifact),
+                           "--prompt", str(prompt_path), "--gen-tokens", str(settings["gen_tokens"]),
+                           "--runs", str(settings["runs"]), "--threads", str(self.plan.threads)]
+                log = self.run_dir / "logs" / f"speed-{key}.log"
+                log.parent.mkdir(parents=True, exist_ok=True)
+                with self.ui.task(f"speed {key} ({runtime})"), open(log, "ab") as stream:
+                    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=stream, text=True)
+                if done.returncode != 0:
+                    raise QuantforgeError(f"the speed probe of {key} failed (exit {done.returncode}); see {log}")
+                measured = json.loads(done.stdout.strip().splitlines()[-1])
+                result.update(measured=True, runtime=runtime, **measured)
+                result["fraction_of_roofline"] = measured["decode_tps"] / result["host_decode_tps_bound"]
+            atomic_write_json(path, result)
+            return result
+
+        self.stage(f"speed/{key}", f"speed {key}", inputs={"model": self.digest(upstream), "host": self.digest("host")},
+                   settings={**settings, "threads": self.plan.threads}, outputs=[path], produce=produce)
 
     # -- the whole build --------------------------------------------------------------------------------------
 
@@ -366,11 +511,23 @@ class Build:
             self.manifest.data["quantforge_version"] = __version__
             self.record_fetch()
             windows = self.tokens()
-            reference_path = self.reference(windows)
+            with LazyRunner(self.open_reference_runner, TASK_CONTEXT) as runner:
+                reference_path = self.reference(windows, runner)
+                self.tasks("reference", runner, "fetch")
+            if self.plan.speed:
+                from .artifacts import tensor_bytes
+
+                self.speed("reference", ("transformers", self.source.path), tensor_bytes(self.source.path),
+                           windows[0], "fetch")
             calibration = self.calibration()
             for choice in self.plan.choices:
                 self.quantize(choice, parameters, calibration)
                 self.evaluate(choice, windows, reference_path)
+                if self.plan.speed:
+                    artifact_dir = self.run_dir / "artifacts" / choice.key
+                    weight_bytes = self.manifest.stage(f"quantize/{choice.key}")["result"]["tensor_bytes"]
+                    self.speed(choice.key, choice.backend.probe_target(artifact_dir), weight_bytes, windows[0],
+                               f"quantize/{choice.key}")
             self.manifest.save()
             return write_card(self.run_dir, self.plan.targets)
 

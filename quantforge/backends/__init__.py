@@ -77,6 +77,8 @@ class Backend(abc.ABC):
     alternative_for: ClassVar[frozenset[str]] = frozenset()
     # Whether quantize() reads the run's calibration set (job.calibration).
     needs_calibration: ClassVar[bool] = False
+    # A regex with groups (done, total) for the library's progress lines in its log, shown as our progress bar.
+    progress_pattern: ClassVar[str | None] = None
 
     def unavailable_reason(self) -> str | None:
         """Why this backend cannot run on this host, or None. Must not import the heavy library."""
@@ -100,6 +102,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def open_runner(self, artifact_dir: Path, *, context: int, threads: int) -> LogitsRunner:
         """Load the artifact from disk for evaluation."""
+
+    def probe_target(self, artifact_dir: Path) -> tuple[str, Path] | str:
+        """(runtime, path) for the decode-speed probe in the format's own runtime, or why this host has none."""
+        return f"no runtime for {self.name} artifacts on this host"
 
 
 def load_backends() -> dict[str, Backend]:

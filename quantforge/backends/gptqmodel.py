@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 
+from pathlib import Path
+
 from . import Format, QuantizeJob
 from .hf import VLLM_RUNTIMES, HFFolderBackend, load_calibration, move_logs
 
@@ -30,6 +32,7 @@ class GPTQModelBackend(HFFolderBackend):
     formats = FORMATS
     requires = ("gptqmodel", "optimum")
     extra = "gptq"
+    progress_pattern = r"Quantizing layer (\d+) of (\d+)"  # 0-based index of the layer, index of the last one
 
     def quantize(self, job: QuantizeJob) -> dict:
         os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(2, job.threads)))
@@ -61,3 +64,7 @@ class GPTQModelBackend(HFFolderBackend):
         if note:
             facts["group_size_note"] = note
         return facts
+
+    def probe_target(self, artifact_dir: Path) -> tuple[str, Path]:
+        # transformers loads these folders with GPTQModel's CPU (torch) kernels: what a CPU user would run.
+        return "transformers", artifact_dir

@@ -150,3 +150,6 @@ class LlamaCppBackend(Backend):
 
     def open_runner(self, artifact_dir: Path, *, context: int, threads: int) -> LogitsRunner:
         return LlamaCppRunner(self.artifact_file(artifact_dir), context=context, threads=threads)
+
+    def probe_target(self, artifact_dir: Path) -> tuple[str, Path]:
+        return "llama.cpp", self.artifact_file(artifact_dir)

@@ -10,6 +10,8 @@ accelerator), so AWQ comes from GPTQModel; SmoothQuant lives in ``modifiers.tran
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from . import Format, QuantizeJob
 from .hf import VLLM_RUNTIMES, HFFolderBackend, load_calibration
 
@@ -28,6 +30,7 @@ class LLMCompressorBackend(HFFolderBackend):
     requires = ("llmcompressor", "compressed_tensors")
     extra = "int8"
     alternative_for = frozenset({"gptq-int4", "gptq-int8"})
+    progress_pattern = r"\((\d+)/(\d+)\): Propagating"  # one pass over the layers per modifier
 
     def group_size(self, source, fmt, settings: dict):
         if fmt.name == "int8":
@@ -79,3 +82,7 @@ class LLMCompressorBackend(HFFolderBackend):
         if note:
             facts["group_size_note"] = note
         return facts
+
+    def probe_target(self, artifact_dir: Path) -> str:
+        return ("compressed-tensors checkpoints run in vLLM's kernels, which need a GPU; on a CPU transformers only "
+                "decompresses them to float, which says nothing about their speed")

@@ -1,0 +1,162 @@
+"""Decode-speed probe and memory-bandwidth roofline.
+
+The probe runs one artifact in its own runtime in a fresh process (so peak memory is the model's, not the
+pipeline's): a warm-up, then several runs of a fixed prompt and a fixed number of greedy tokens, reporting the
+median of each figure:
+
+- prompt_tps: prompt tokens / time to process the prompt
+- ttft_s: time to first token (prompt processing plus the first sampled token)
+- decode_tps, tpot_s: tokens per second after the first one, and its inverse (time per output token)
+- peak_rss_mb: the probe process's peak resident memory
+
+Roofline: decoding one token reads every weight once, so decode speed is bounded by memory bandwidth / bytes of
+weights. The host's bandwidth is measured (a large memory copy); GPU bounds come from a small table and are marked
+as computed, not measured.
+
+    python -m quantforge.probe --runtime llama.cpp --path model.gguf --prompt-tokens 128 --gen-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+# name -> (memory GB, memory bandwidth GB/s), vendors' published figures
+GPUS = {
+    "H100": (80, 3350),
+    "H200": (141, 4800),
+    "A100": (80, 2039),
+    "L40S": (48, 864),
+    "RTX 4090": (24, 1008),
+    "RTX 3090": (24, 936),
+}
+
+
+def measure_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """Host memory bandwidth in GB/s: the best of several large array copies (bytes read + bytes written)."""
+    source = np.ones(megabytes * (1 << 20) // 8, dtype=np.float64)
+    target = np.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        np.copyto(target, source)
+        best = min(best, time.perf_counter() - started)
+    return 2 * source.nbytes / best / 1e9
+
+
+def roofline(weight_bytes: int, bandwidth_gbs: float) -> float:
+    """Upper bound on decode tokens/s when every weight is read once per token."""
+    return bandwidth_gbs * 1e9 / weight_bytes
+
+
+def gpu_rooflines(weight_bytes: int) -> dict:
+    return {name: {"memory_gb": memory, "bandwidth_gbs": bandwidth, "decode_tps_bound": roofline(weight_bytes, bandwidth),
+                   "fits": weight_bytes < memory * 1e9, "computed": True}
+            for name, (memory, bandwidth) in GPUS.items()}
+
+
+def _median_report(runs: list[dict]) -> dict:
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+
+def _timings(prompt_seconds: float, first_token_at: float, token_times: list[float], prompt_tokens: int) -> dict:
+    decode_seconds = token_times[-1] - token_times[0]
+    decode_tokens = len(token_times) - 1
+    return {
+        "prompt_tps": prompt_tokens / prompt_seconds,
+        "ttft_s": first_token_at,
+        "decode_tps": decode_tokens / decode_seconds if decode_seconds > 0 else float("nan"),
+        "tpot_s": decode_seconds / decode_tokens if decode_tokens else float("nan"),
+    }
+
+
+def probe_llama_cpp(path: Path, prompt: list[int], gen_tokens: int, threads: int, runs: int) -> dict:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from llama_cpp import Llama
+
+    llm = Llama(str(path), n_ctx=len(prompt) + gen_tokens + 8, n_batch=len(prompt), n_threads=threads,
+                n_threads_batch=threads, flash_attn=False, verbose=False)
+
+    def once() -> dict:
+        llm.reset()
+        started = time.perf_counter()
+        llm.eval(prompt)
+        prompt_seconds = time.perf_counter() - started
+        token_times = []
+        for _ in range(gen_tokens):
+            token = llm.sample(top_k=1, temp=0.0)
+            token_times.append(time.perf_counter() - started)
+            llm.eval([token])
+        return _timings(prompt_seconds, token_times[0], token_times, len(prompt))
+
+    once()  # warm-up
+    result = _median_report([once() for _ in range(runs)])
+    llm.close()
+    return result
+
+
+def probe_transformers(path: Path, prompt: list[int], gen_tokens: int, threads: int, runs: int) -> dict:
+    """transformers' own loading of the folder: float weights, or the quantization library's CPU kernels."""
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(2, threads)))
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(path, device_map="cpu").eval()
+    ids = torch.tensor([prompt], dtype=torch.long)
+
+    def once() -> dict:
+        with torch.inference_mode():
+            started = time.perf_counter()
+            out = model(input_ids=ids, use_cache=True)
+            prompt_seconds = time.perf_counter() - started
+            past, token_times = out.past_key_values, []
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            token_times.append(time.perf_counter() - started)
+            for _ in range(gen_tokens - 1):
+                out = model(input_ids=token, past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+                token_times.append(time.perf_counter() - started)
+        return _timings(prompt_seconds, token_times[0], token_times, len(prompt))
+
+    once()
+    result = _median_report([once() for _ in range(runs)])
+    result["kernel"] = type(_first_linear(model)).__module__ + "." + type(_first_linear(model)).__name__
+    return result
+
+
+def _first_linear(model):
+    layer = model.model.layers[0]
+    return layer.self_attn.q_proj
+
+
+PROBES = {"llama.cpp": probe_llama_cpp, "transformers": probe_transformers}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Decode-speed probe of one artifact (prints JSON)")
+    parser.add_argument("--runtime", choices=sorted(PROBES), required=True)
+    parser.add_argument("--path", type=Path, required=True)
+    parser.add_argument("--prompt", type=Path, required=True, help=".npy file of prompt token ids")
+    parser.add_argument("--gen-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args(argv)
+    prompt = [int(t) for t in np.load(args.prompt)]
+    result = PROBES[args.runtime](args.path, prompt, args.gen_tokens, args.threads, args.runs)
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Task accuracy through lm-evaluation-harness, with task definitions as YAML under ``evals/tasks/``.
+
+Each definition is an lm-eval task config plus a ``quantforge`` section (the data file it reads, the fields every
+row must have, the metric the card reports). Data comes from local files (``--tasks-data DIR``): lm-eval's built-in
+tasks for some of these sets reach the Hub and fail offline.
+
+Every format is scored through the same adapter: an lm-eval ``LM`` whose log-likelihoods come from the artifact's
+own runtime (``LogitsRunner.logits``: llama.cpp for GGUF, the dequantized torch model for GPTQ/AWQ/INT8, the float
+model for the reference). So a task's accuracy differs between formats only through the weights.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from .errors import QuantforgeError
+from .evaluate import log_softmax
+from .paths import definition_dirs
+
+DEFAULT_TASKS = ("arc_easy", "hellaswag", "piqa", "winogrande", "lambada")
+
+
+def known_tasks() -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for folder in definition_dirs("evals/tasks"):
+        for path in sorted(folder.glob("*.yaml")):
+            found.setdefault(path.stem, path)
+    return found
+
+
+def task_definition(name: str) -> dict:
+    tasks = known_tasks()
+    if name not in tasks:
+        raise QuantforgeError(f"unknown task '{name}'; known tasks: {', '.join(sorted(tasks))}")
+    return yaml.safe_load(tasks[name].read_text())
+
+
+def _open(path: Path):
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+
+
+def data_file(name: str, data_dir: Path | None) -> Path:
+    """The task's data file, checked row by row (a malformed row is named by file and line)."""
+    definition = task_definition(name)["quantforge"]
+    if data_dir is None:
+        raise QuantforgeError(
+            f"task '{name}' reads a local file ({definition['data_file']}): pass --tasks-data DIR, the folder that "
+            "holds it"
+        )
+    path = Path(data_dir) / definition["data_file"]
+    if not path.exists():
+        raise QuantforgeError(f"task '{name}' needs {path}, which does not exist")
+    with _open(path) as handle:
+        for line_number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise QuantforgeError(f"{path}:{line_number} is not valid JSON") from None
+            missing = [f for f in definition["fields"] if not isinstance(row, dict) or f not in row]
+            if missing:
+                raise QuantforgeError(f"{path}:{line_number} lacks the field '{missing[0]}' that task '{name}' reads")
+    return path
+
+
+def write_task_configs(names: list[str], data_dir: Path | None, out_dir: Path) -> dict[str, str]:
+    """lm-eval YAML files for ``names`` with their data paths filled in; returns task name -> lm-eval task name."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mapping = {}
+    for name in names:
+        config = task_definition(name)
+        config.pop("quantforge")
+        config["dataset_kwargs"] = {"data_files": {"test": str(data_file(name, data_dir).resolve())}}
+        (out_dir / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        mapping[name] = config["task"]
+    return mapping
+
+
+def make_runner_lm(runner, tokenizer, max_length: int):
+    """An lm-eval LM over a quantforge LogitsRunner (log-likelihood requests only)."""
+    from lm_eval.api.model import LM
+
+    class RunnerLM(LM):
+        def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+            # As lm-eval's HF model does: encode the whole string, then split off the continuation, so that
+            # tokens that straddle the boundary are tokenized as the model would see them.
+            spaces = len(context) - len(context.rstrip())
+            if spaces:
+                continuation, context = context[-spaces:] + continuation, context[:-spaces]
+            whole = tokenizer(context + continuation, add_special_tokens=False)["input_ids"]
+            context_ids = tokenizer(context, add_special_tokens=False)["input_ids"] if context else []
+            if not context_ids:
+                prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+                return [prefix], whole
+            return whole[: len(context_ids)], whole[len(context_ids):]
+
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            results = []
+            for request in requests:
+                context_ids, continuation_ids = self._encode_pair(*request.args)
+                tokens = (context_ids + continuation_ids)[-(max_length + 1):]
+                logits = runner.logits(np.asarray(tokens[:-1], dtype=np.int32))
+                scored = logits[-len(continuation_ids):]
+                logp = log_softmax(scored)
+                targets = np.asarray(continuation_ids)
+                total = float(logp[np.arange(len(targets)), targets].sum())
+                greedy = bool((scored.argmax(axis=-1) == targets).all())
+                results.append((total, greedy))
+            return results
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            raise QuantforgeError("rolling log-likelihood tasks are not supported; use the perplexity stage")
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            raise QuantforgeError("generation tasks are not supported yet; choose log-likelihood tasks")
+
+    return RunnerLM()
+
+
+def run_task(runner, tokenizer_dir: Path, name: str, data_dir: Path | None, limit: int | None, work_dir: Path,
+             max_length: int = 2048) -> dict:
+    """Score one task; return accuracy, its standard error and how it was measured."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoTokenizer
+
+    definition = task_definition(name)["quantforge"]
+    configs = work_dir / "lm-eval-tasks" / name
+    mapping = write_task_configs([name], data_dir, configs)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    results = lm_eval.simple_evaluate(
+        model=make_runner_lm(runner, tokenizer, max_length),
+        tasks=[mapping[name]],
+        task_manager=TaskManager(include_path=str(configs), include_defaults=False),
+        limit=limit,
+        random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
+        log_samples=False,
+    )
+    scores = results["results"][mapping[name]]
+    metric = definition["metric"]
+    value = scores[f"{metric},none"]
+    stderr = scores.get(f"{metric}_stderr,none")
+    samples = results.get("n-samples", {}).get(mapping[name], {}).get("effective")
+    return {
+        "task": name,
+        "metric": metric,
+        "value": float(value),
+        "stderr": float(stderr) if isinstance(stderr, (int, float)) and not math.isnan(stderr) else None,
+        "samples": samples,
+        "limit": limit,
+        "data": definition["data_file"],
+        "lm_eval_version": lm_eval.__version__ if hasattr(lm_eval, "__version__") else None,
+    }
