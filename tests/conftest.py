@@ -62,15 +62,21 @@ def read_json(path: Path) -> dict:
 
 
 # Small, fast evaluation settings for tiny-model builds: real text, few windows.
-FAST_EVAL = ["--eval-text", str(WIKITEXT), "--ppl-context", "128", "--ppl-windows", "4", "--threads", "2"]
+FAST_EVAL = ["--eval-text", str(WIKITEXT), "--ppl-context", "128", "--ppl-windows", "4", "--threads", "2",
+             "--no-speed"]
+TASKS_DATA = SHARED_DATA / "tasks"
 TINY_FORMATS = "gguf-f16,gguf-q8_0,gguf-q4km"
+# The shared tiny run also scores three lm-eval tasks on a few examples and probes decode speed.
+TINY_RUN_ARGS = ["--formats", TINY_FORMATS, *FAST_EVAL, "--tasks", "arc_easy,winogrande,lambada",
+                 "--tasks-data", str(TASKS_DATA), "--limit", "12", "--speed", "--prompt-tokens", "32",
+                 "--gen-tokens", "16"]
 
 
 @pytest.fixture(scope="session")
 def tiny_run(tiny_llama, tmp_path_factory) -> Path:
     """A finished build of the tiny llama into three GGUF formats (treat as read-only; copy it to change it)."""
     out = tmp_path_factory.mktemp("runs") / "tiny"
-    result = quantforge_cli("build", str(tiny_llama), "--formats", TINY_FORMATS, "--out", str(out), *FAST_EVAL)
+    result = quantforge_cli("build", str(tiny_llama), "--out", str(out), *TINY_RUN_ARGS)
     assert result.returncode == 0, result.stderr
     return out
 

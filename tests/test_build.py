@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from conftest import FAST_EVAL, TINY_FORMATS as FORMATS, quantforge_cli, read_json
+from conftest import TINY_FORMATS as FORMATS, TINY_RUN_ARGS, quantforge_cli, read_json
 from quantforge.fsutil import file_records
 
 
@@ -64,8 +64,7 @@ def test_manifest_records_inputs_outputs_and_timings(tiny_run):
 
 def test_rerun_skips_every_finished_stage(tiny_run):
     before = read_json(tiny_run / "run.json")["stages"]
-    result = quantforge_cli("build", before["fetch"]["result"]["path"], "--formats", FORMATS, "--out", str(tiny_run),
-                            *FAST_EVAL)
+    result = quantforge_cli("build", before["fetch"]["result"]["path"], "--out", str(tiny_run), *TINY_RUN_ARGS)
     assert result.returncode == 0, result.stderr
     after = read_json(tiny_run / "run.json")["stages"]
     for key, record in before.items():
@@ -79,13 +78,14 @@ def test_a_deleted_artifact_is_rebuilt_alone(tiny_run, tmp_path):
     before = read_json(run / "run.json")["stages"]
     q4 = next((run / "artifacts" / "gguf-q4km").glob("*.gguf"))
     q4.unlink()
-    result = quantforge_cli("build", before["fetch"]["result"]["path"], "--formats", FORMATS, "--out", str(run),
-                            *FAST_EVAL)
+    result = quantforge_cli("build", before["fetch"]["result"]["path"], "--out", str(run), *TINY_RUN_ARGS)
     assert result.returncode == 0, result.stderr
     after = read_json(run / "run.json")["stages"]
     assert after["quantize/gguf-q4km"]["started"] != before["quantize/gguf-q4km"]["started"]
     assert after["quantize/gguf-q8_0"]["started"] == before["quantize/gguf-q8_0"]["started"]
     assert after["quantize/gguf-q4km"]["outputs"] == before["quantize/gguf-q4km"]["outputs"]  # same bytes again
+    # Its evaluations had the same inputs (same bytes), so they were not redone either.
+    assert after["evaluate/gguf-q4km"]["started"] == before["evaluate/gguf-q4km"]["started"]
 
 
 def test_card_command_re_decides_with_new_targets(tiny_run, tmp_path):

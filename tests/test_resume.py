@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import FAST_EVAL, TINY_FORMATS, quantforge_cli, read_json
+from conftest import FAST_EVAL, TINY_FORMATS, TINY_RUN_ARGS, quantforge_cli, read_json
 from quantforge.fsutil import PARTIAL_MARKER, file_records, find_partials
 
 
@@ -37,8 +37,7 @@ def _kill_when(command: list[str], run: Path, ready, timeout: float = 300) -> bo
 
 def test_sigkill_at_several_points_then_resume(tiny_llama, tiny_run, tmp_path):
     run = tmp_path / "killed"
-    command = [sys.executable, "-m", "quantforge.cli", "build", str(tiny_llama), "--formats", TINY_FORMATS,
-               "--out", str(run), *FAST_EVAL]
+    command = [sys.executable, "-m", "quantforge.cli", "build", str(tiny_llama), "--out", str(run), *TINY_RUN_ARGS]
     triggers = [
         lambda r: "tokens" in _stages(r),  # during the reference evaluation
         lambda r: any(PARTIAL_MARKER in p.name for p in (r / "artifacts").glob("*")) if (r / "artifacts").exists()
@@ -61,7 +60,11 @@ def test_sigkill_at_several_points_then_resume(tiny_llama, tiny_run, tmp_path):
     ours, reference = read_json(run / "card.json"), read_json(tiny_run / "card.json")
     for key in TINY_FORMATS.split(","):
         assert file_records(run / "artifacts" / key) == file_records(tiny_run / "artifacts" / key), key
-    assert [e["metrics"] for e in ours["formats"]] == [e["metrics"] for e in reference["formats"]]
+    def quality(card):  # speed figures are timings: they differ between any two runs
+        return [{k: v for k, v in e["metrics"].items() if k != "decode_tps"} for e in card["formats"]]
+
+    assert quality(ours) == quality(reference)
+    assert [e["tasks"] for e in ours["formats"]] == [e["tasks"] for e in reference["formats"]]
     assert ours["decision"] == reference["decision"]
 
 

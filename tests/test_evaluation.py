@@ -1,0 +1,104 @@
+"""Distribution shift, task accuracy and the speed probe, on real runs of the tiny model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import FAST_EVAL, TASKS_DATA, quantforge_cli, read_json
+from quantforge.evaluate import compare_window, reference_window
+from quantforge.runners import TorchRunner
+
+
+def test_kl_of_the_reference_against_itself_is_zero(tiny_llama):
+    tokens = np.arange(100, 164, dtype=np.int32)
+    logits = TorchRunner.from_folder(tiny_llama, threads=2).logits(tokens)
+    ref = reference_window(logits, tokens)
+    same = compare_window(logits, tokens, ref)
+    assert np.allclose(same["kld"], 0.0, atol=1e-9)
+    assert same["agree"].all()
+    assert np.allclose(same["nll"], ref.nll)
+    shifted = compare_window(logits + np.random.default_rng(0).normal(0, 0.5, logits.shape), tokens, ref)
+    assert shifted["kld"].mean() > 1e-3 and not shifted["agree"].all()
+
+
+def test_task_accuracies_and_recovery(tiny_run):
+    card = read_json(tiny_run / "card.json")
+    reference = card["reference"]["tasks"]
+    assert set(reference) == {"arc_easy", "winogrande", "lambada"}
+    for entry in card["formats"]:
+        for name, task in entry["tasks"].items():
+            assert 0.0 <= task["value"] <= 1.0
+            assert task["samples"] == reference[name]["samples"] == 12  # recovery on the same examples
+            if reference[name]["value"]:
+                assert task["recovery_pct"] == pytest.approx(100 * task["value"] / reference[name]["value"])
+    assert "## Task accuracy" in (tiny_run / "card.md").read_text()
+
+
+def test_llama_cpp_and_transformers_agree_on_task_log_likelihoods(tiny_run):
+    """The F16 GGUF scored in llama.cpp gets the reference's accuracies: the GGUF route through llama.cpp agrees
+    with transformers, so GGUF task figures differ from the reference only through quantization."""
+    card = read_json(tiny_run / "card.json")
+    f16 = next(e for e in card["formats"] if e["key"] == "gguf-f16")
+    for name, task in f16["tasks"].items():
+        assert task["value"] == pytest.approx(card["reference"]["tasks"][name]["value"], abs=1 / 12 + 1e-9), name
+
+
+def test_speed_probe_and_roofline(tiny_run):
+    card = read_json(tiny_run / "card.json")
+    speeds = {"reference": card["reference"]["speed"], **{e["key"]: e["speed"] for e in card["formats"]}}
+    for key, speed in speeds.items():
+        assert speed["measured"], key
+        assert speed["runtime"] == ("transformers" if key == "reference" else "llama.cpp")
+        assert speed["prompt_tps"] > 0 and speed["decode_tps"] > 0 and speed["ttft_s"] > 0
+        assert speed["tpot_s"] == pytest.approx(1 / speed["decode_tps"], rel=0.01)
+        assert speed["peak_rss_mb"] > 50
+        # Decoding cannot beat reading every weight once per token at the measured bandwidth.
+        assert speed["host_decode_tps_bound"] > speed["decode_tps"]
+        assert 0 < speed["fraction_of_roofline"] < 1
+        assert speed["gpus"]["H100"]["computed"] and speed["gpus"]["H100"]["decode_tps_bound"] > speed["decode_tps"]
+    assert card["host"]["bandwidth_gbs"] > 0.5
+    assert "## Decode speed" in (tiny_run / "card.md").read_text()
+
+
+def test_unknown_task_is_a_clear_error(tiny_llama, tmp_path):
+    result = quantforge_cli("build", str(tiny_llama), "--formats", "gguf-q8_0", "--tasks", "mmlu_pro",
+                            "--tasks-data", str(TASKS_DATA), "--out", str(tmp_path / "r"), *FAST_EVAL)
+    assert result.returncode == 2
+    assert "error: unknown task 'mmlu_pro'; known tasks: arc_easy, hellaswag, lambada, piqa, winogrande" in result.stderr
+
+
+def test_tasks_without_data_say_which_option_to_use(tiny_llama, tmp_path):
+    result = quantforge_cli("build", str(tiny_llama), "--formats", "gguf-q8_0", "--tasks", "arc_easy",
+                            "--out", str(tmp_path / "r"), *FAST_EVAL)
+    assert result.returncode == 2 and "--tasks-data DIR" in result.stderr
+
+
+def test_malformed_task_file_names_the_row(tiny_llama, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [json.loads(line) for line in (TASKS_DATA / "arc_easy.jsonl").read_text().splitlines()[:5]]
+    del rows[3]["gold"]
+    (data / "arc_easy.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    result = quantforge_cli("build", str(tiny_llama), "--formats", "gguf-q8_0", "--tasks", "arc_easy",
+                            "--tasks-data", str(data), "--out", str(tmp_path / "r"), *FAST_EVAL)
+    assert result.returncode == 2
+    assert f"{data / 'arc_easy.jsonl'}:4 lacks the field 'gold'" in result.stderr
+
+
+def test_finished_evaluations_survive_a_failed_task_stage(tiny_run, tmp_path):
+    """A later failure (here: a task whose data went missing) leaves every finished evaluation recorded."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    before = read_json(run / "run.json")["stages"]
+    data = tmp_path / "data"
+    shutil.copytree(TASKS_DATA, data)
+    (data / "piqa_valid.jsonl").write_text('{"goal": "x"}\n')
+    result = quantforge_cli("build", before["fetch"]["result"]["path"], "--formats", "gguf-q8_0", "--out", str(run),
+                            *FAST_EVAL, "--tasks", "piqa", "--tasks-data", str(data))
+    assert result.returncode == 2 and "lacks the field 'sol1'" in result.stderr
+    after = read_json(run / "run.json")["stages"]
+    assert after == before
