@@ -5,8 +5,12 @@ card.json (schema ``quantforge.card/1``):
     evaluation   text (name, source, sha256), context, windows, tokens scored, scoring convention
     reference    the unquantized model's measurements
     formats[]    key, format, scheme, backend, family, runtimes, artifact, size_bytes, bits_per_weight,
-                 metrics (perplexity, perplexity_increase_pct, kld_mean, kld_p99, top1_agreement, ...),
-                 how (runtime, threads, seconds), quantize facts (fallbacks, tensor types)
+                 metrics (perplexity, perplexity_increase_pct, kld_mean, kld_p99, top1_agreement,
+                 task_recovery_pct, task_recovery_pct[TASK], decode_tps, gpu_needed_gb), tasks (per task: metric,
+                 value, stderr, samples, recovery_pct), speed (probe and roofline), memory_fit (per GPU),
+                 how (runtime, threads, seconds), quantize facts (fallbacks, tensor types, group size)
+    pareto_front keys of the formats no other format beats on both size and KL divergence
+    host         this host's measured memory bandwidth
     targets      the targets the decision used
     decision     recommended, verdicts[] (key, outcome, reason, checks), best_per_family, closest
     provenance   quantforge version, host, per-stage timings and input digests
@@ -18,7 +22,7 @@ import json
 from pathlib import Path
 
 from . import __version__
-from .decide import Candidate, Decision, Targets, decide
+from .decide import Candidate, Targets, decide, pareto_front
 from .errors import QuantforgeError
 from .fsutil import atomic_write_json, atomic_write_text
 from .manifest import MANIFEST_NAME, Manifest
@@ -81,16 +85,39 @@ def _format_entries(manifest: Manifest) -> list[dict]:
                 entry["tasks"] = tasks
             if mean_recovery is not None:
                 metrics["task_recovery_pct"] = mean_recovery
+            for name, task in tasks.items():
+                if task["recovery_pct"] is not None:
+                    metrics[f"task_recovery_pct[{name}]"] = task["recovery_pct"]
+            entry["metrics"] = metrics
+            entry["how"] = {k: result.get(k) for k in ("runtime", "threads", "flash_attn", "eval_seconds",
+                                                        "eval_tokens_per_second")}
         speed = manifest.stage(f"speed/{key}")
         if speed:
             entry["speed"] = speed["result"]
             if speed["result"].get("measured") and "metrics" in entry:
                 entry["metrics"]["decode_tps"] = speed["result"]["decode_tps"]
-            entry["metrics"] = metrics
-            entry["how"] = {k: result.get(k) for k in ("runtime", "threads", "flash_attn", "eval_seconds",
-                                                        "eval_tokens_per_second")}
         entries.append(entry)
     return entries
+
+
+def _add_memory_fit(entries: list[dict], config: dict, targets: Targets) -> float | None:
+    """Each format's fit on the target GPU (or on every GPU of the table); returns the usable GB when --gpu."""
+    from .deploy import memory_fit, parse_gpu
+    from .probe import GPUS
+
+    gpus = [parse_gpu(targets.gpu)] if targets.gpu else [parse_gpu(name) for name in GPUS]
+    usable = None
+    for entry in entries:
+        if "tensor_bytes" not in (entry.get("quantize") or {}):
+            continue
+        weight_bytes = entry["quantize"]["tensor_bytes"]
+        fits = {gpu.name: memory_fit(weight_bytes, config, gpu, targets.context, targets.concurrency) for gpu in gpus}
+        entry["memory_fit"] = fits
+        if targets.gpu and "metrics" in entry:
+            only = next(iter(fits.values()))
+            entry["metrics"]["gpu_needed_gb"] = only["needed_gb"]
+            usable = only["usable_gb"]
+    return usable
 
 
 def build_card(run_dir: Path, targets: Targets) -> dict:
@@ -100,13 +127,22 @@ def build_card(run_dir: Path, targets: Targets) -> dict:
     if not manifest.stage("reference"):
         command = manifest.data["plan"].get("command", "quantforge build ...")
         raise QuantforgeError(f"{run_dir} is unfinished: the reference was not evaluated; rerun: {command}")
+    problems = targets.problems()
+    if problems:
+        raise QuantforgeError(problems[0])
     entries = _format_entries(manifest)
+    if targets.runtime != "any" and not any(targets.runtime in e["runtimes"] for e in entries):
+        served = sorted({r for e in entries for r in e["runtimes"]})
+        raise QuantforgeError(f"no format of this run runs in {targets.runtime} (its formats run in "
+                              f"{', '.join(served)}); build one that does or choose another --runtime")
+    config = manifest.stage("fetch")["result"]["config"]
+    usable = _add_memory_fit(entries, config, targets)
     candidates = [
         Candidate(e["key"], e["family"], tuple(e["runtimes"]), e["bits_per_weight"], e["size_bytes"], e["metrics"])
         for e in entries
         if e["complete"]
     ]
-    decision = decide(candidates, targets)
+    decision = decide(candidates, targets, usable)
     plan = manifest.data["plan"]
     reference = manifest.stage("reference")
     return {
@@ -119,6 +155,8 @@ def build_card(run_dir: Path, targets: Targets) -> dict:
         "calibration": (manifest.stage("calibration") or {}).get("result"),
         "formats": entries,
         "incomplete": [e["key"] for e in entries if not e["complete"]],
+        "pareto_front": pareto_front([(c.key, c.size_bytes, c.metrics["kld_mean"]) for c in candidates
+                                      if c.metrics.get("kld_mean") is not None]),
         "targets": targets.to_json(),
         "decision": decision.to_json(),
         "provenance": {
@@ -198,6 +236,29 @@ def _speed_table(card: dict) -> list[str]:
     return lines
 
 
+def _fit_table(card: dict) -> list[str]:
+    from .deploy import GPU_UTILIZATION, RUNTIME_OVERHEAD_GB
+
+    fitted = [e for e in card["formats"] if e.get("memory_fit")]
+    if not fitted:
+        return []
+    targets = card["targets"]
+    gpus = list(fitted[0]["memory_fit"])
+    lines = ["", f"## Memory fit at {targets['context']} tokens x {targets['concurrency']} sequence(s)", "",
+             f"Weights (artifact tensor bytes) + fp16 KV cache "
+             f"({fitted[0]['memory_fit'][gpus[0]]['kv_bytes_per_token']:,} bytes per token) must fit in "
+             f"{GPU_UTILIZATION:.0%} of the GPU's memory less {RUNTIME_OVERHEAD_GB:g} GB for activations and the "
+             "runtime. Each cell: fits or not, and the largest context that fits.", "",
+             "| format | " + " | ".join(gpus) + " |", "|---|" + "---|" * len(gpus)]
+    for entry in fitted:
+        cells = []
+        for gpu in gpus:
+            fit = entry["memory_fit"][gpu]
+            cells.append(f"{'yes' if fit['fits'] else 'no'} ({fit['largest_context']:,})")
+        lines.append(f"| {entry['key']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def render_markdown(card: dict) -> str:
     model = card["model"]
     ev = card["evaluation"]
@@ -242,6 +303,7 @@ def render_markdown(card: dict) -> str:
         )
     lines += _tasks_table(card)
     lines += _speed_table(card)
+    lines += _fit_table(card)
     text = ev.get("text", {})
     targets = {k: v for k, v in card["targets"].items() if v is not None}
     lines += [
@@ -285,12 +347,14 @@ def render_markdown(card: dict) -> str:
 
 
 def write_card(run_dir: Path, targets: Targets) -> dict:
+    from .deploy import write_deployment_files
+    from .html import write_html
+
     card = build_card(run_dir, targets)
     atomic_write_json(run_dir / "card.json", card)
     atomic_write_text(run_dir / "card.md", render_markdown(card))
+    write_html(run_dir, card)
+    write_deployment_files(run_dir, card)
     return card
 
 
-def stored_targets(run_dir: Path) -> Targets:
-    data = json.loads((run_dir / MANIFEST_NAME).read_text()).get("plan", {}).get("targets") or {}
-    return Targets(**data)

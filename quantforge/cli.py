@@ -33,6 +33,47 @@ def _quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def _task_recovery(value: str | None) -> dict[str, float] | None:
+    if not value:
+        return None
+    limits = {}
+    for item in value.split(","):
+        name, sep, number = item.partition("=")
+        try:
+            limits[name.strip()] = float(number)
+        except ValueError:
+            raise QuantforgeError(f"--min-task-recovery takes TASK=PCT pairs, like arc_easy=97; not {item!r}") from None
+        if not sep:
+            raise QuantforgeError(f"--min-task-recovery takes TASK=PCT pairs, like arc_easy=97; not {item!r}")
+    return limits
+
+
+TARGET_OPTIONS = [
+    click.option("--max-ppl-increase", type=float, help="Target: largest perplexity increase in percent (default 5)."),
+    click.option("--max-kld", type=float, help="Target: largest mean KL divergence against the reference."),
+    click.option("--min-top1-agreement", type=float, help="Target: smallest top-1 token agreement (0-1)."),
+    click.option("--min-recovery", type=float, help="Target: smallest mean task accuracy recovery, in percent."),
+    click.option("--min-task-recovery", help="Target per task, e.g. arc_easy=98,hellaswag=97 (percent)."),
+    click.option("--max-size", "max_size_gb", type=float, help="Target: largest artifact size in GB."),
+    click.option("--min-decode-tps", type=float, help="Target: smallest decode speed measured on this host (tok/s)."),
+    click.option("--gpu", help="Target: must fit this GPU (H100, H200, A100, L40S, RTX 4090, RTX 3090, or e.g. 20GB)."),
+    click.option("--context", type=int, help="Tokens per sequence the GPU must hold (default 4096)."),
+    click.option("--concurrency", type=int, help="Sequences held at once on the GPU (default 1)."),
+    click.option("--runtime", help="Count only formats that run in: any, vllm, transformers, llama.cpp, ollama."),
+]
+
+
+def target_options(function):
+    for option in reversed(TARGET_OPTIONS):
+        function = option(function)
+    return function
+
+
+def target_overrides(**values) -> dict:
+    values["min_task_recovery"] = _task_recovery(values.get("min_task_recovery"))
+    return {key: value for key, value in values.items() if value is not None}
+
+
 class QuantforgeGroup(click.Group):
     """Turns QuantforgeError into one line on stderr and exit code 2."""
 
@@ -66,9 +107,7 @@ def main() -> None:
               "had, else pydoc) or a local .txt/.jsonl file.")
 @click.option("--ppl-context", type=int, help="Tokens per perplexity window (default 512).")
 @click.option("--ppl-windows", type=int, help="Number of perplexity windows (default 16).")
-@click.option("--max-ppl-increase", type=float, help="Target: largest perplexity increase in percent (default 5).")
-@click.option("--max-kld", type=float, help="Target: largest mean KL divergence against the reference.")
-@click.option("--min-top1-agreement", type=float, help="Target: smallest top-1 token agreement (0-1).")
+@target_options
 @click.option("--threads", type=int, help="CPU threads for quantization and evaluation (default: all cores).")
 @click.option("--tasks", "task_names", help="Comma-separated lm-eval tasks (arc_easy, hellaswag, piqa, winogrande, "
               "lambada; all five when only --tasks-data is given).")
@@ -87,20 +126,18 @@ def main() -> None:
 @click.option("--allow-pickle", is_flag=True, help="Allow pickle (.bin) weights, which can run code when loaded.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model repo's own Python code to run.")
 @click.option("--json", "as_json", is_flag=True, help="Print the card as JSON on stdout.")
-def build(model, formats, backends, out, recipe_file, force, eval_text, ppl_context, ppl_windows, max_ppl_increase,
-          max_kld, min_top1_agreement, threads, task_names, tasks_data, limit, speed, prompt_tokens, gen_tokens,
-          calibration, calib_samples, calib_seqlen, group_size, act_order, allow_pickle, trust_remote_code, as_json):
+def build(model, formats, backends, out, recipe_file, force, eval_text, ppl_context, ppl_windows, threads, task_names, tasks_data, limit, speed, prompt_tokens, gen_tokens,
+          calibration, calib_samples, calib_seqlen, group_size, act_order, allow_pickle, trust_remote_code, as_json,
+          **targets):
     """Fetch MODEL (a recipe, Hub id, local folder or bundled model), quantize, evaluate, write the card."""
     from .pipeline import BuildRequest
     from .pipeline import build as run_build
     from .ui import UI
 
-    if max_ppl_increase is not None and max_ppl_increase < 0:
-        raise QuantforgeError("--max-ppl-increase must be 0 or more (a percentage)")
     request = BuildRequest(
         model=model, formats=_split(formats), backends=_split(backends), out=out, recipe_file=recipe_file,
         force=force, eval_text=eval_text, ppl_context=ppl_context, ppl_windows=ppl_windows,
-        max_ppl_increase=max_ppl_increase, max_kld=max_kld, min_top1_agreement=min_top1_agreement, threads=threads,
+        targets=target_overrides(**targets), threads=threads,
         tasks=_split(task_names), tasks_data=tasks_data, limit=limit, speed=speed, prompt_tokens=prompt_tokens,
         gen_tokens=gen_tokens,
         calibration=calibration, calib_samples=calib_samples, calib_seqlen=calib_seqlen, group_size=group_size,
@@ -156,28 +193,18 @@ def formats(as_json):
 
 @main.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
-@click.option("--max-ppl-increase", type=float, help="New target: largest perplexity increase in percent.")
-@click.option("--max-kld", type=float, help="New target: largest mean KL divergence.")
-@click.option("--min-top1-agreement", type=float, help="New target: smallest top-1 agreement (0-1).")
-@click.option("--runtime", type=click.Choice(["any", "llama.cpp", "ollama", "vllm", "transformers"]),
-              help="Count only formats that run in this runtime.")
+@target_options
 @click.option("--json", "as_json", is_flag=True, help="Print the card as JSON.")
-def card(run_dir, max_ppl_increase, max_kld, min_top1_agreement, runtime, as_json):
-    """Re-render the card of a finished run from its stored measurements (optionally with new targets)."""
-    from dataclasses import replace
-
-    from .card import stored_targets, write_card
+def card(run_dir, as_json, **targets):
+    """Re-decide and re-render the card of a run from its stored measurements (optionally with new targets)."""
+    from .card import write_card
+    from .decide import Targets
     from .ui import UI
 
     if not (run_dir / "run.json").exists():
         raise QuantforgeError(f"{run_dir} holds no quantforge run (no run.json); run 'quantforge build' first")
-    if max_ppl_increase is not None and max_ppl_increase < 0:
-        raise QuantforgeError("--max-ppl-increase must be 0 or more (a percentage)")
-    targets = stored_targets(run_dir)
-    overrides = {k: v for k, v in {"max_ppl_increase": max_ppl_increase, "max_kld": max_kld,
-                                   "min_top1_agreement": min_top1_agreement, "runtime": runtime}.items()
-                 if v is not None}
-    result = write_card(run_dir, replace(targets, **overrides))
+    stored = json.loads((run_dir / "run.json").read_text()).get("plan", {}).get("targets") or {}
+    result = write_card(run_dir, Targets(**{**stored, **target_overrides(**targets)}))
     _print_card(result, as_json, UI())
 
 

@@ -35,15 +35,44 @@ class Target:
         return f"{self.metric} {_fmt(value)}{self.unit} (target {sign} {_fmt(self.limit)}{self.unit})"
 
 
+RUNTIMES = ("any", "vllm", "transformers", "llama.cpp", "ollama")
+
+
 @dataclass
 class Targets:
-    max_ppl_increase: float | None = 5.0
+    max_ppl_increase: float | None = 5.0  # percent
     max_kld: float | None = None
-    min_top1_agreement: float | None = None
+    min_top1_agreement: float | None = None  # 0-1
+    min_recovery: float | None = None  # mean task recovery, percent
+    min_task_recovery: dict[str, float] = field(default_factory=dict)  # per task, percent
     max_size_gb: float | None = None
+    min_decode_tps: float | None = None  # measured on this host, in the format's own runtime
+    gpu: str | None = None  # a name from the GPU table or a size such as "20GB"
+    context: int = 4096  # tokens per sequence the GPU must hold (with --gpu)
+    concurrency: int = 1  # sequences at once (with --gpu)
     runtime: str = "any"
 
-    def limits(self) -> list[Target]:
+    def problems(self) -> list[str]:
+        """Targets that cannot be met by any measurement, as one-line messages."""
+        problems = []
+        for name in ("max_ppl_increase", "max_kld", "max_size_gb", "min_decode_tps"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                problems.append(f"--{name.replace('_', '-')} must not be negative (got {value})")
+        if self.max_size_gb is not None and self.max_size_gb == 0:
+            problems.append("--max-size must be more than 0 GB")
+        if self.min_top1_agreement is not None and not 0 <= self.min_top1_agreement <= 1:
+            problems.append(f"--min-top1-agreement is a fraction between 0 and 1 (got {self.min_top1_agreement})")
+        for label, value in [("--min-recovery", self.min_recovery), *self.min_task_recovery.items()]:
+            if value is not None and not 0 <= value <= 200:
+                problems.append(f"{label} is a percentage of the reference's accuracy, 0-200 (got {value})")
+        if self.context < 1 or self.concurrency < 1:
+            problems.append("--context and --concurrency must be at least 1")
+        if self.runtime not in RUNTIMES:
+            problems.append(f"unknown runtime '{self.runtime}'; choose one of {', '.join(RUNTIMES)}")
+        return problems
+
+    def limits(self, usable_gpu_gb: float | None = None) -> list[Target]:
         limits = []
         if self.max_ppl_increase is not None:
             limits.append(Target("max_ppl_increase", "perplexity_increase_pct", self.max_ppl_increase, True, "%"))
@@ -51,8 +80,16 @@ class Targets:
             limits.append(Target("max_kld", "kld_mean", self.max_kld, True))
         if self.min_top1_agreement is not None:
             limits.append(Target("min_top1_agreement", "top1_agreement", self.min_top1_agreement, False))
+        if self.min_recovery is not None:
+            limits.append(Target("min_recovery", "task_recovery_pct", self.min_recovery, False, "%"))
+        for task, value in sorted(self.min_task_recovery.items()):
+            limits.append(Target(f"min_recovery[{task}]", f"task_recovery_pct[{task}]", value, False, "%"))
         if self.max_size_gb is not None:
             limits.append(Target("max_size_gb", "size_gb", self.max_size_gb, True, " GB"))
+        if self.min_decode_tps is not None:
+            limits.append(Target("min_decode_tps", "decode_tps", self.min_decode_tps, False, " tok/s"))
+        if self.gpu is not None and usable_gpu_gb is not None:
+            limits.append(Target("gpu", "gpu_needed_gb", usable_gpu_gb, True, " GB"))
         return limits
 
     def to_json(self) -> dict:
@@ -110,8 +147,10 @@ def _miss_ratio(check: dict, target: Target) -> float:
     return abs(check["value"] - target.limit) / scale
 
 
-def decide(candidates: list[Candidate], targets: Targets) -> Decision:
-    limits = targets.limits()
+def decide(candidates: list[Candidate], targets: Targets, usable_gpu_gb: float | None = None) -> Decision:
+    """``usable_gpu_gb``: what the GPU of ``targets.gpu`` offers weights and KV cache (see deploy.memory_fit);
+    each candidate then carries ``gpu_needed_gb`` in its metrics."""
+    limits = targets.limits(usable_gpu_gb)
     by_name = {t.name: t for t in limits}
     eligible, verdicts = [], []
     for candidate in candidates:
@@ -161,3 +200,13 @@ def decide(candidates: list[Candidate], targets: Targets) -> Decision:
         else:
             closest = "no format has every targeted metric measured"
     return Decision(recommended.key if recommended else None, ranked + verdicts, best_per_family, closest)
+
+
+def pareto_front(points: list[tuple[str, float, float]]) -> list[str]:
+    """Keys of the points (key, size, loss) that no other point beats on both size and loss."""
+    front = []
+    for key, size, loss in points:
+        dominated = any(s <= size and l <= loss and (s, l) != (size, loss) for _, s, l in points)
+        if not dominated:
+            front.append(key)
+    return front

@@ -44,9 +44,7 @@ class BuildRequest:
     eval_text: str | None = None
     ppl_context: int | None = None
     ppl_windows: int | None = None
-    max_ppl_increase: float | None = None
-    max_kld: float | None = None
-    min_top1_agreement: float | None = None
+    targets: dict = field(default_factory=dict)  # overrides of the recipe's targets (see decide.Targets)
     threads: int | None = None
     tasks: list[str] | None = None
     tasks_data: Path | None = None
@@ -157,11 +155,14 @@ def make_plan(request: BuildRequest) -> Plan:
         raise QuantforgeError(f"--group-size must be a number or 'auto', not {group_size!r}")
     quantize = {"group_size": "auto" if str(group_size) == "auto" else int(group_size),
                 "act_order": bool(_first(request.act_order, recipe_quantize.get("act_order"), False))}
-    targets = Targets(
-        max_ppl_increase=_first(request.max_ppl_increase, recipe_targets.get("max_ppl_increase"), 5.0),
-        max_kld=_first(request.max_kld, recipe_targets.get("max_kld")),
-        min_top1_agreement=_first(request.min_top1_agreement, recipe_targets.get("min_top1_agreement")),
-    )
+    targets = Targets(**{**recipe_targets, **request.targets})
+    problems = targets.problems()
+    if problems:
+        raise QuantforgeError(problems[0])
+    if targets.gpu:
+        from .deploy import parse_gpu
+
+        parse_gpu(targets.gpu)
     run_dir = (request.out or Path("runs") / spec.name).resolve()
     threads = request.threads or recipe_eval.get("threads") or os.cpu_count() or 1
     for choice in choices:

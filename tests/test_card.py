@@ -1,0 +1,224 @@
+"""The card: decisions on measured runs, memory fit, HTML and plots, model cards and deployment files."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST_EVAL, REPO, quantforge_cli, read_json
+from quantforge.decide import Candidate, Targets, decide
+
+CALIBRATION = ["--calib-samples", "8", "--calib-seqlen", "128"]
+
+
+@pytest.fixture(scope="module")
+def mixed_run(tiny_llama, tmp_path_factory) -> Path:
+    """INT8, INT4 and GGUF formats of the tiny model, measured for real: the fixture the decision tests use."""
+    out = tmp_path_factory.mktemp("runs") / "mixed"
+    result = quantforge_cli("build", str(tiny_llama), "--formats", "int8,gptq-int8,gptq-int4,gguf-q8_0,gguf-q4km",
+                            "--out", str(out), *FAST_EVAL, *CALIBRATION)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def card_with(run: Path, *flags: str) -> dict:
+    result = quantforge_cli("card", str(run), "--json", *flags)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout)
+
+
+def candidates_of(card: dict) -> list[Candidate]:
+    return [Candidate(e["key"], e["family"], tuple(e["runtimes"]), e["bits_per_weight"], e["size_bytes"],
+                      e["metrics"]) for e in card["formats"]]
+
+
+def test_int8_wins_over_int4_when_both_meet_the_targets(mixed_run):
+    card = card_with(mixed_run, "--max-ppl-increase", "1000", "--runtime", "vllm")
+    decision = card["decision"]
+    assert decision["recommended"] in ("int8", "gptq-int8")
+    outcome = {v["key"]: v for v in decision["verdicts"]}
+    assert outcome["gptq-int4"]["outcome"] == "meets targets"
+    assert "more aggressive than needed" in outcome["gptq-int4"]["reason"]
+    assert outcome["gguf-q8_0"]["outcome"] == "excluded"  # not a vLLM format
+
+
+def test_tightening_a_target_moves_the_recommendation_to_a_less_aggressive_format(mixed_run):
+    card = card_with(mixed_run)
+    kld = sorted(e["metrics"]["kld_mean"] for e in card["formats"])
+    bits = {e["key"]: e["bits_per_weight"] for e in card["formats"]}
+    loose = card_with(mixed_run, "--max-kld", str(kld[-1] * 1.01), "--max-ppl-increase", "1000")["decision"]
+    # Only the least-damaged formats pass a tight KL limit.
+    tight = card_with(mixed_run, "--max-kld", str(kld[1] * 1.0001), "--max-ppl-increase", "1000")["decision"]
+    assert loose["recommended"] and tight["recommended"]
+    # Every format meets the loose limit, so the least aggressive wins; under the tight one the winner can only be
+    # at least as conservative, and every format that lost names the missed target with both numbers.
+    assert bits[tight["recommended"]] <= bits[loose["recommended"]] or tight["recommended"] == loose["recommended"]
+    for verdict in tight["verdicts"]:
+        if verdict["outcome"] == "misses targets":
+            assert re.search(r"missed kld_mean [0-9.e-]+ \(target <= [0-9.e-]+\)", verdict["reason"]), verdict
+
+
+def test_min_size_target_pushes_towards_smaller_formats(mixed_run):
+    card = card_with(mixed_run, "--max-ppl-increase", "1000")
+    sizes = sorted(e["size_bytes"] for e in card["formats"])
+    limit_gb = (sizes[0] + 1) / 1e9
+    decision = card_with(mixed_run, "--max-ppl-increase", "1000", "--max-size", f"{limit_gb:.9f}")["decision"]
+    smallest = min(card["formats"], key=lambda e: e["size_bytes"])["key"]
+    assert decision["recommended"] == smallest
+
+
+def test_a_target_that_was_not_measured_is_never_met(mixed_run):
+    card = card_with(mixed_run, "--min-recovery", "50", "--max-ppl-increase", "1000")
+    decision = card["decision"]
+    assert decision["recommended"] is None  # no task was run: recovery is unverified everywhere
+    assert all("unverified (not measured)" in v["reason"] for v in decision["verdicts"])
+    assert decision["closest"] == "no format has every targeted metric measured"
+    # The pure function agrees: a missing metric never counts as met.
+    verdicts = decide(candidates_of(card), Targets(max_ppl_increase=None, min_decode_tps=1.0)).verdicts
+    assert {v.outcome for v in verdicts} == {"misses targets"}
+
+
+def test_nothing_meets_the_targets_names_the_closest(mixed_run):
+    decision = card_with(mixed_run, "--max-kld", "1e-12")["decision"]
+    assert decision["recommended"] is None
+    assert decision["closest"].startswith(min(card_with(mixed_run)["formats"],
+                                              key=lambda e: e["metrics"]["kld_mean"])["key"] + " comes closest")
+
+
+def test_memory_fit_on_a_gpu(mixed_run):
+    card = card_with(mixed_run, "--gpu", "RTX 4090", "--context", "2048", "--concurrency", "4")
+    for entry in card["formats"]:
+        fit = entry["memory_fit"]["RTX 4090"]
+        config = card["model"]["config"]
+        per_token = config["num_layers"] * config["num_kv_heads"] * config["head_dim"] * 2 * 2
+        assert fit["kv_bytes_per_token"] == per_token
+        assert fit["needed_gb"] == pytest.approx((entry["quantize"]["tensor_bytes"] + per_token * 2048 * 4) / 1e9)
+        assert fit["fits"]
+    tiny = card_with(mixed_run, "--gpu", "0.0011GB", "--max-ppl-increase", "1000")["decision"]
+    assert tiny["recommended"] is None and "missed gpu_needed_gb" in tiny["verdicts"][0]["reason"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-size", "-1"], "--max-size-gb must not be negative"),
+        (["--gpu", "Voodoo 2"], "unknown GPU 'Voodoo 2'"),
+        (["--runtime", "ollama"], None),
+        (["--min-top1-agreement", "1.5"], "between 0 and 1"),
+        (["--min-task-recovery", "arc_easy"], "TASK=PCT pairs"),
+    ],
+)
+def test_impossible_targets(mixed_run, flags, message):
+    result = quantforge_cli("card", str(mixed_run), *flags)
+    if message is None:
+        assert result.returncode == 0  # GGUF formats run in Ollama
+        return
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_a_runtime_no_format_serves(tiny_run):
+    result = quantforge_cli("card", str(tiny_run), "--runtime", "vllm")
+    assert result.returncode == 2
+    assert "no format of this run runs in vllm" in result.stderr
+
+
+def test_unfinished_run_says_which_command_completes_it(tiny_llama, tmp_path):
+    import os
+    import signal
+    import sys
+    import time
+
+    run = tmp_path / "unfinished"
+    process = subprocess.Popen([sys.executable, "-m", "quantforge.cli", "build", str(tiny_llama), "--formats",
+                                "gguf-q8_0", "--out", str(run), *FAST_EVAL], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    while process.poll() is None and not (run / "run.json").exists():
+        time.sleep(0.01)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    if "reference" in read_json(run / "run.json")["stages"]:
+        pytest.skip("the build got past the reference before it was killed")
+    result = quantforge_cli("card", str(run))
+    assert result.returncode == 2
+    assert "is unfinished: the reference was not evaluated; rerun: quantforge build" in result.stderr
+
+
+class _Parser(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.images, self.tables, self.headings = [], 0, []
+        self._in_heading = False
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "img":
+            self.images.append(dict(attrs)["src"])
+        self.tables += tag == "table"
+        self._in_heading = tag in ("h1", "h2")
+
+    def handle_data(self, data):
+        if self._in_heading:
+            self.headings.append(data)
+            self._in_heading = False
+
+
+def test_html_renders_with_plots(tiny_run):
+    parser = _Parser()
+    parser.feed((tiny_run / "card.html").read_text())
+    assert parser.tables >= 4
+    assert any("Recommendation" in h for h in parser.headings)
+    assert set(parser.images) == {"card-quality.png", "card-speed.png"}
+    for image in parser.images:
+        data = (tiny_run / image).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    front = read_json(tiny_run / "card.json")["pareto_front"]
+    assert front and set(front) <= {"gguf-f16", "gguf-q8_0", "gguf-q4km"}
+
+
+def test_model_cards_and_deployment_files(mixed_run):
+    card = card_with(mixed_run, "--gpu", "L40S")
+    for entry in card["formats"]:
+        folder = mixed_run / entry["artifact"]
+        readme = (folder / "README.md").read_text()
+        front = readme.split("---")[1]
+        assert "base_model_relation: quantized" in front and "quantized_by: quantforge" in front
+        assert "library_name:" in front and "- quantforge" in front
+        assert "| mean KL divergence | 0 |" in readme
+        if entry["family"] == "gguf":
+            assert "llama-server -m" in readme and (folder / "Modelfile").exists()
+            assert (folder / "Modelfile").read_text().startswith(f"FROM ./{next(folder.glob('*.gguf')).name}")
+        else:
+            quant = {"int8": "compressed-tensors", "gptq-int8": "gptq", "gptq-int4": "gptq"}[entry["key"]]
+            assert f"--quantization {quant} --max-model-len" in readme
+
+
+def _go_render(template: str, messages: list[dict]) -> str:
+    result = subprocess.run(["go", "run", str(REPO / "tests" / "go" / "render_template.go")],
+                            input=json.dumps({"template": template, "messages": messages}), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+@pytest.mark.parametrize("with_system", [False, True])
+def test_modelfile_template_matches_the_chat_template(tiny_run, tiny_llama, with_system):
+    """Go's text/template (Ollama's engine) on our TEMPLATE gives the tokenizer's own chat-template prompt."""
+    if shutil.which("go") is None:
+        pytest.fail("the Go toolchain is needed for this test: run ./scripts/install.sh test")
+    from transformers import AutoTokenizer
+
+    modelfile = next((tiny_run / "artifacts").glob("gguf-q8_0/Modelfile")).read_text()
+    template = re.search(r'TEMPLATE """(.*?)"""', modelfile, re.S).group(1)
+    messages = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."},
+                {"role": "user", "content": "And 3+3?"}]
+    if with_system:
+        messages.insert(0, {"role": "system", "content": "Answer briefly."})
+    expected = AutoTokenizer.from_pretrained(tiny_llama).apply_chat_template(messages, tokenize=False,
+                                                                              add_generation_prompt=True)
+    assert _go_render(template, messages) == expected
+    assert 'PARAMETER stop "<|im_end|>"' in modelfile
