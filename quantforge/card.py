@@ -317,7 +317,8 @@ def render_markdown(card: dict) -> str:
           if ev.get("requested_text") == "auto" and text.get("name") == "pydoc" else []),
         f"- {ev['convention']}. llama.cpp's llama-perplexity scores only the second half of each window: its "
         "figures are not comparable with these.",
-        "- KL divergence: reference top-128 distribution plus the remaining mass against the artifact's, per token.",
+        "- KL divergence (reference || artifact) per token: exact over the reference's 64 most likely tokens, plus "
+        "an unbiased estimate over the rest from 64 tokens drawn from it (fixed seed).",
         "- Every artifact was loaded from disk: GGUF files in llama.cpp (flash attention off, OMP_WAIT_POLICY=PASSIVE), "
         "HF-folder formats (GPTQ, AWQ, INT8) dequantized in torch with their runtime activation quantization "
         "simulated; the reference is the float model in transformers.",

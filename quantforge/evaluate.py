@@ -5,10 +5,13 @@ non-overlapping windows of the context length, and every position of every windo
 scored (mean token negative log-likelihood; perplexity is its exponential). llama.cpp's ``llama-perplexity``
 scores only the second half of each window, so its figures differ; the card says which convention it used.
 
-The reference's next-token distribution is stored compactly (its top-K log-probabilities and the mass left over),
-so every artifact is compared with it without recomputing the reference. KL divergence is computed between the
-reference's top-K-plus-rest distribution and the artifact's distribution grouped the same way: exact in the limit
-of large K and a lower bound otherwise (grouping never increases KL); with K=128 the rest holds a tiny share.
+The reference's next-token distribution is stored compactly, so every artifact is compared with it without
+recomputing the reference: per scored position, the ``TOP_K`` most likely tokens with their log-probabilities, and
+``TAIL_SAMPLES`` tokens drawn from the rest of the distribution (in proportion to their probability, from a fixed
+seed) with theirs, plus the mass of that rest. KL(reference || artifact) is then the exact sum over the top tokens
+plus the rest's mass times the mean log-ratio over the drawn tokens: an unbiased estimate of the full sum. Measured
+on SmolLM2 Q4_K_M (llama.cpp logits): 0.05574 against 0.05586 for the full-vocabulary sum, where dropping the
+rest (top-128 only, grouped) gave 0.0473 (15% low).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import numpy as np
 
 from .errors import QuantforgeError
 
-TOP_K = 128
+TOP_K = 64
+TAIL_SAMPLES = 64
 
 
 @dataclass(frozen=True)
@@ -64,8 +68,11 @@ class ReferenceWindow:
     """What is kept of the reference's prediction at each scored position of one window."""
 
     nll: np.ndarray  # [n] float64
-    top_ids: np.ndarray  # [n, K] int32, most likely first
-    top_logp: np.ndarray  # [n, K] float32
+    top_ids: np.ndarray  # [n, TOP_K] int32, most likely first
+    top_logp: np.ndarray  # [n, TOP_K] float32
+    tail_ids: np.ndarray  # [n, TAIL_SAMPLES] int32, drawn from the rest of the distribution
+    tail_logp: np.ndarray  # [n, TAIL_SAMPLES] float32
+    tail_mass: np.ndarray  # [n] float64, probability outside the top tokens
 
 
 ROW_CHUNK = 128  # positions per log-softmax: bounds float64 scratch memory for large vocabularies
@@ -79,16 +86,39 @@ def _row_chunks(logits: np.ndarray, tokens: np.ndarray):
         yield log_softmax(logits[start:stop]), tokens[start + 1 : stop + 1]
 
 
-def reference_window(logits: np.ndarray, tokens: np.ndarray, top_k: int = TOP_K) -> ReferenceWindow:
-    nll, ids, vals = [], [], []
+def _sample_tail(probs: np.ndarray, rng: np.random.Generator, samples: int) -> np.ndarray:
+    """For each row, ``samples`` token ids drawn in proportion to ``probs`` (rows need not sum to 1)."""
+    cumulative = np.cumsum(probs, axis=-1)
+    totals = cumulative[:, -1:]
+    draws = rng.random((len(probs), samples)) * totals
+    rows = np.arange(len(probs))[:, None]
+    # One flat search over all rows: offset each row's cumulative sums past the previous row's total.
+    offsets = np.concatenate([[0.0], np.cumsum(totals[:-1, 0])])[:, None]
+    flat = (cumulative + offsets).ravel()
+    ids = np.searchsorted(flat, (draws + offsets).ravel(), side="right").reshape(draws.shape) - rows * probs.shape[1]
+    return np.clip(ids, 0, probs.shape[1] - 1)
+
+
+def reference_window(logits: np.ndarray, tokens: np.ndarray, seed: int = 0, top_k: int = TOP_K,
+                     tail_samples: int = TAIL_SAMPLES) -> ReferenceWindow:
+    rng = np.random.default_rng(seed)
+    parts: dict[str, list] = {k: [] for k in ("nll", "top_ids", "top_logp", "tail_ids", "tail_logp", "tail_mass")}
     for logp, targets in _row_chunks(logits, tokens):
-        nll.append(-logp[np.arange(len(targets)), targets])
+        rows = np.arange(len(targets))[:, None]
+        parts["nll"].append(-logp[rows[:, 0], targets])
         top = np.argpartition(-logp, top_k, axis=-1)[:, :top_k]
         top_vals = np.take_along_axis(logp, top, axis=-1)
         order = np.argsort(-top_vals, axis=-1)
-        ids.append(np.take_along_axis(top, order, axis=-1).astype(np.int32))
-        vals.append(np.take_along_axis(top_vals, order, axis=-1).astype(np.float32))
-    return ReferenceWindow(np.concatenate(nll), np.concatenate(ids), np.concatenate(vals))
+        top, top_vals = np.take_along_axis(top, order, axis=-1), np.take_along_axis(top_vals, order, axis=-1)
+        rest = np.exp(logp)
+        rest[rows, top] = 0.0
+        tail = _sample_tail(rest, rng, tail_samples)
+        parts["top_ids"].append(top.astype(np.int32))
+        parts["top_logp"].append(top_vals.astype(np.float32))
+        parts["tail_ids"].append(tail.astype(np.int32))
+        parts["tail_logp"].append(np.take_along_axis(logp, tail, axis=-1).astype(np.float32))
+        parts["tail_mass"].append(rest.sum(axis=-1))
+    return ReferenceWindow(**{k: np.concatenate(v) for k, v in parts.items()})
 
 
 def compare_window(logits: np.ndarray, tokens: np.ndarray, ref: ReferenceWindow) -> dict[str, np.ndarray]:
@@ -99,13 +129,11 @@ def compare_window(logits: np.ndarray, tokens: np.ndarray, ref: ReferenceWindow)
         rows = slice(start, start + len(targets))
         start += len(targets)
         top_ids, top_logp = ref.top_ids[rows].astype(np.int64), ref.top_logp[rows].astype(np.float64)
+        tail_ids, tail_logp = ref.tail_ids[rows].astype(np.int64), ref.tail_logp[rows].astype(np.float64)
         nll.append(-logq[np.arange(len(targets)), targets])
-        q_top_logp = np.take_along_axis(logq, top_ids, axis=-1)
-        p_rest = np.clip(1.0 - np.exp(top_logp).sum(axis=-1), 1e-12, None)
-        q_rest = np.clip(1.0 - np.exp(q_top_logp).sum(axis=-1), 1e-12, None)
-        divergence = (np.exp(top_logp) * (top_logp - q_top_logp)).sum(axis=-1)
-        divergence += p_rest * (np.log(p_rest) - np.log(q_rest))
-        kld.append(np.maximum(divergence, 0.0))
+        top_term = (np.exp(top_logp) * (top_logp - np.take_along_axis(logq, top_ids, axis=-1))).sum(axis=-1)
+        tail_term = ref.tail_mass[rows] * (tail_logp - np.take_along_axis(logq, tail_ids, axis=-1)).mean(axis=-1)
+        kld.append(top_term + tail_term)
         agree.append(logq.argmax(axis=-1) == top_ids[:, 0])
     return {"nll": np.concatenate(nll), "kld": np.concatenate(kld), "agree": np.concatenate(agree)}
 
@@ -129,22 +157,20 @@ def summarize(nll: np.ndarray, kld: np.ndarray | None = None, agree: np.ndarray 
     return summary
 
 
+REFERENCE_FIELDS = ("nll", "top_ids", "top_logp", "tail_ids", "tail_logp", "tail_mass")
+
+
 def save_reference(path: Path, windows: list[ReferenceWindow]) -> None:
     from .fsutil import atomic_output
 
     with atomic_output(path) as tmp:
         with open(tmp, "wb") as handle:
-            np.savez(
-                handle,
-                nll=np.stack([w.nll for w in windows]),
-                top_ids=np.stack([w.top_ids for w in windows]),
-                top_logp=np.stack([w.top_logp for w in windows]),
-            )
+            np.savez(handle, **{name: np.stack([getattr(w, name) for w in windows]) for name in REFERENCE_FIELDS})
 
 
 def load_reference(path: Path) -> list[ReferenceWindow]:
     data = np.load(path)
-    return [ReferenceWindow(data["nll"][i], data["top_ids"][i], data["top_logp"][i]) for i in range(len(data["nll"]))]
+    return [ReferenceWindow(**{name: data[name][i] for name in REFERENCE_FIELDS}) for i in range(len(data["nll"]))]
 
 
 def score_reference(
@@ -153,7 +179,7 @@ def score_reference(
     started = time.perf_counter()
     refs = []
     for index, window in enumerate(windows):
-        refs.append(reference_window(logits_fn(window), window))
+        refs.append(reference_window(logits_fn(window), window, seed=index))
         if on_window:
             on_window(index + 1)
     seconds = time.perf_counter() - started

@@ -197,6 +197,7 @@ def plan_tasks(request: BuildRequest, recipe_eval: dict) -> dict:
     return {"names": names, "data": data, "data_files": files, "limit": limit}
 
 
+REFERENCE_FORMAT = "top64+tail64"  # what reference.npz holds (see evaluate.py); part of the reference's inputs
 TASK_CONTEXT = 1024  # tokens a runner must take for task requests (longer ones keep their last tokens)
 
 
@@ -347,7 +348,7 @@ class Build:
 
         self.stage("reference", "evaluate reference", inputs={"source": self.digest("fetch"),
                                                               "tokens": self.digest("tokens")},
-                   settings={}, outputs=[path], produce=produce)
+                   settings={"reference_format": REFERENCE_FORMAT}, outputs=[path], produce=produce)
         return path
 
     def tasks(self, key: str, runner: "LazyRunner", upstream: str) -> None:

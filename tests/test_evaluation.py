@@ -18,7 +18,7 @@ def test_kl_of_the_reference_against_itself_is_zero(tiny_llama):
     logits = TorchRunner.from_folder(tiny_llama, threads=2).logits(tokens)
     ref = reference_window(logits, tokens)
     same = compare_window(logits, tokens, ref)
-    assert np.allclose(same["kld"], 0.0, atol=1e-9)
+    assert np.allclose(same["kld"], 0.0, atol=1e-6)  # log-probs are stored as float32
     assert same["agree"].all()
     assert np.allclose(same["nll"], ref.nll)
     shifted = compare_window(logits + np.random.default_rng(0).normal(0, 0.5, logits.shape), tokens, ref)
