@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -74,6 +75,12 @@ def target_overrides(**values) -> dict:
     return {key: value for key, value in values.items() if value is not None}
 
 
+DISK_ERRORS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+               errno.EROFS: "read-only file system", errno.EACCES: "permission denied"}
+DISK_ADVICE = {errno.ENOSPC: "free space or choose another --out", errno.EDQUOT: "free space or choose another --out",
+               errno.EROFS: "choose a writable --out", errno.EACCES: "choose a writable --out"}
+
+
 class QuantforgeGroup(click.Group):
     """Turns QuantforgeError into one line on stderr and exit code 2."""
 
@@ -86,6 +93,13 @@ class QuantforgeGroup(click.Group):
         except KeyboardInterrupt:
             click.echo("interrupted: finished stages are kept; run the same command again to resume", err=True)
             ctx.exit(130)
+        except OSError as exc:
+            if exc.errno not in DISK_ERRORS:
+                raise
+            where = f" writing {exc.filename}" if exc.filename else ""
+            click.echo(f"error: {DISK_ERRORS[exc.errno]}{where}; {DISK_ADVICE[exc.errno]} "
+                       "(finished stages are kept; the same command resumes)", err=True)
+            ctx.exit(2)
 
 
 @click.group(cls=QuantforgeGroup)

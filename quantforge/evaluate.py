@@ -174,19 +174,62 @@ def load_reference(path: Path) -> list[ReferenceWindow]:
     return [ReferenceWindow(**{name: data[name][i] for name in REFERENCE_FIELDS}) for i in range(len(data["nll"]))]
 
 
+class WindowProgress:
+    """Per-window results saved as they come, so a killed evaluation resumes at the window where it stopped.
+
+    The results of a window depend only on the model and the window, so a resumed evaluation equals an
+    uninterrupted one. The file is removed once the stage is recorded.
+    """
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.windows: list[dict[str, np.ndarray]] = []
+        if path is not None and path.exists():
+            data = np.load(path)
+            count = int(data["count"]) if "count" in data else 0
+            self.windows = [{key.split(":", 1)[1]: data[key] for key in data.files if key.startswith(f"{i}:")}
+                            for i in range(count)]
+
+    def add(self, result: dict[str, np.ndarray]) -> None:
+        self.windows.append(result)
+        if self.path is None:
+            return
+        from .fsutil import atomic_output
+
+        arrays = {f"{i}:{name}": value for i, window in enumerate(self.windows) for name, value in window.items()}
+        with atomic_output(self.path) as tmp, open(tmp, "wb") as handle:
+            np.savez(handle, count=len(self.windows), **arrays)
+
+    def finish(self) -> None:
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+
+
+def _timing(seconds: float, windows: np.ndarray, resumed: int) -> dict:
+    """Time and throughput of the windows computed in this process (not those resumed from a killed run)."""
+    computed = (len(windows) - resumed) * windows.shape[1]
+    return {"eval_seconds": round(seconds, 3), "resumed_windows": resumed,
+            "eval_tokens_per_second": round(computed / seconds, 1) if seconds and computed else None}
+
+
 def score_reference(
-    logits_fn: Callable[[np.ndarray], np.ndarray], windows: np.ndarray, on_window: Callable[[int], None] | None = None
+    logits_fn: Callable[[np.ndarray], np.ndarray], windows: np.ndarray, on_window: Callable[[int], None] | None = None,
+    progress_path: Path | None = None,
 ) -> tuple[list[ReferenceWindow], dict]:
     started = time.perf_counter()
-    refs = []
-    for index, window in enumerate(windows):
-        refs.append(reference_window(logits_fn(window), window, seed=index))
+    progress = WindowProgress(progress_path)
+    resumed = len(progress.windows)
+    for index in range(resumed, len(windows)):
+        window = windows[index]
+        ref = reference_window(logits_fn(window), window, seed=index)
+        progress.add({name: getattr(ref, name) for name in REFERENCE_FIELDS})
         if on_window:
             on_window(index + 1)
+    refs = [ReferenceWindow(**w) for w in progress.windows]
     seconds = time.perf_counter() - started
     summary = summarize(np.concatenate([r.nll for r in refs]))
-    summary["eval_seconds"] = round(seconds, 3)
-    summary["eval_tokens_per_second"] = round(windows.size / seconds, 1) if seconds else None
+    summary.update(_timing(seconds, windows, resumed))
+    progress.finish()
     return refs, summary
 
 
@@ -195,16 +238,17 @@ def score_artifact(
     windows: np.ndarray,
     refs: list[ReferenceWindow],
     on_window: Callable[[int], None] | None = None,
+    progress_path: Path | None = None,
 ) -> dict:
     started = time.perf_counter()
-    parts: dict[str, list[np.ndarray]] = {"nll": [], "kld": [], "agree": []}
-    for index, (window, ref) in enumerate(zip(windows, refs)):
-        for key, value in compare_window(logits_fn(window), window, ref).items():
-            parts[key].append(value)
+    progress = WindowProgress(progress_path)
+    resumed = len(progress.windows)
+    for index in range(resumed, len(windows)):
+        progress.add(compare_window(logits_fn(windows[index]), windows[index], refs[index]))
         if on_window:
             on_window(index + 1)
     seconds = time.perf_counter() - started
-    summary = summarize(*(np.concatenate(parts[key]) for key in ("nll", "kld", "agree")))
-    summary["eval_seconds"] = round(seconds, 3)
-    summary["eval_tokens_per_second"] = round(windows.size / seconds, 1) if seconds else None
+    summary = summarize(*(np.concatenate([w[key] for w in progress.windows]) for key in ("nll", "kld", "agree")))
+    summary.update(_timing(seconds, windows, resumed))
+    progress.finish()
     return summary

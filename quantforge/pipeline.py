@@ -21,7 +21,7 @@ from .card import write_card
 from .decide import Targets
 from .errors import QuantforgeError
 from .evaluate import EvalSettings, load_reference, make_windows, save_reference, score_artifact, score_reference
-from .fsutil import atomic_output, atomic_write_json
+from .fsutil import atomic_output, atomic_write_json, remove_path
 from .logs import capture_output, follow_progress
 from .manifest import Manifest, RunLock, clean_partials, run_stage
 from .recipes import Recipe, find_recipe, known_recipes, load_recipe
@@ -251,6 +251,12 @@ class Build:
         return TorchRunner.from_folder(self.source.path, threads=self.plan.threads,
                                        trust_remote_code=self.plan.request.trust_remote_code)
 
+    def progress_path(self, key: str, inputs: dict) -> Path:
+        """Where an evaluation keeps per-window results; named by its inputs, so a stale one is never reused."""
+        from .fsutil import sha256_json
+
+        return self.run_dir / "work" / "progress" / f"{key}-{sha256_json(inputs)[:16]}.npz"
+
     def digest(self, key: str) -> str:
         return self.manifest.output_digest(key)
 
@@ -275,6 +281,17 @@ class Build:
         self.manifest.stages.pop("fetch", None)
         self.stage("fetch", None, inputs={"spec": self.plan.spec.__dict__}, settings={}, outputs=[source_json],
                    produce=produce)
+
+    def check_resources(self, parameters: int) -> None:
+        from .resources import check_resources
+
+        pending = [c for c in self.plan.choices if not self.manifest.stage(f"quantize/{c.key}")]
+        self.resources = check_resources(
+            self.run_dir, parameters, [c.format.nominal_bits for c in pending],
+            needs_f16_gguf=any(c.backend.name == "llamacpp" for c in pending) and
+            not self.manifest.stage("intermediate/gguf-f16"),
+            needs_reference_model=not self.manifest.stage("reference"),
+        )
 
     def check_same_model(self) -> None:
         """Refuse to mix two models' stages in one run directory."""
@@ -339,15 +356,16 @@ class Build:
 
     def reference(self, windows: np.ndarray, runner: "LazyRunner") -> Path:
         path = self.run_dir / "work" / "reference.npz"
+        inputs = {"source": self.digest("fetch"), "tokens": self.digest("tokens")}
 
         def produce():
             with self.ui.task("evaluate reference (transformers, float32)", total=len(windows)) as advance:
-                refs, summary = score_reference(runner.get().logits, windows, advance)
+                refs, summary = score_reference(runner.get().logits, windows, advance,
+                                                progress_path=self.progress_path("reference", inputs))
             save_reference(path, refs)
             return {**summary, "runtime": "transformers", "dtype": "float32", "threads": self.plan.threads}
 
-        self.stage("reference", "evaluate reference", inputs={"source": self.digest("fetch"),
-                                                              "tokens": self.digest("tokens")},
+        self.stage("reference", "evaluate reference", inputs=inputs,
                    settings={"reference_format": REFERENCE_FORMAT}, outputs=[path], produce=produce)
         return path
 
@@ -389,6 +407,7 @@ class Build:
 
         artifact_dir = self.run_dir / "artifacts" / choice.key
         log_dir = self.run_dir / "logs"
+        checkpoint_dir = self.run_dir / "work" / "checkpoints" / choice.key
         uses_calibration = choice.backend.needs_calibration
 
         def produce():
@@ -397,10 +416,11 @@ class Build:
                     atomic_output(artifact_dir) as tmp:
                 job = QuantizeJob(self.source, choice.format, self.plan.quantize, tmp, self.intermediate, log_dir,
                                   calibration=calibration if uses_calibration else None, threads=self.plan.threads,
-                                  log=self.ui.log)
+                                  log=self.ui.log, checkpoint_dir=checkpoint_dir)
                 with capture_output(log), follow_progress(log, choice.backend.progress_pattern,
                                                           lambda done, total: advance(done, total + 1)):
                     facts = choice.backend.quantize(job)
+            remove_path(checkpoint_dir)  # only a finished artifact makes the layer checkpoints obsolete
             return {**facts, **measure(choice.backend.artifact_file(artifact_dir), parameters)}
 
         inputs = {"source": self.digest("fetch")}
@@ -420,19 +440,20 @@ class Build:
             with capture_output(self.run_dir / "logs" / f"evaluate-{choice.key}.log"):
                 return choice.backend.open_runner(artifact_dir, context=context, threads=self.plan.threads)
 
+        inputs = {"artifact": self.digest(f"quantize/{choice.key}"), "reference": self.digest("reference"),
+                  "tokens": self.digest("tokens")}
         with LazyRunner(open_runner, context) as runner:
             def produce():
                 refs = load_reference(reference_path)
                 with self.ui.task(f"evaluate {choice.key} ({runner.get().runtime})", total=len(windows)) as advance:
-                    summary = score_artifact(runner.get().logits, windows, refs, advance)
+                    summary = score_artifact(runner.get().logits, windows, refs, advance,
+                                             progress_path=self.progress_path(choice.key, inputs))
                 summary.update(runtime=runner.get().runtime, threads=self.plan.threads,
                                flash_attn=getattr(runner.get(), "flash_attn", None))
                 atomic_write_json(path, summary)
                 return summary
 
-            self.stage(f"evaluate/{choice.key}", f"evaluate {choice.key}",
-                       inputs={"artifact": self.digest(f"quantize/{choice.key}"), "reference": self.digest("reference"),
-                               "tokens": self.digest("tokens")},
+            self.stage(f"evaluate/{choice.key}", f"evaluate {choice.key}", inputs=inputs,
                        settings={"threads": self.plan.threads}, outputs=[path], produce=produce)
             self.tasks(choice.key, runner, f"quantize/{choice.key}")
 
@@ -508,6 +529,7 @@ class Build:
             self.check_backends()
             self.check_same_model()
             parameters = self.source.config.get("parameters") or 0
+            self.check_resources(parameters)
             # Only now, with the input checked, does this build touch the run's manifest.
             self.manifest.data["plan"] = {**self.plan.to_json(), "parameters": parameters}
             self.manifest.data["quantforge_version"] = __version__

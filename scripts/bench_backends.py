@@ -78,7 +78,7 @@ def timed(args: list[str], env: dict | None = None) -> tuple[float, float]:
 
 
 def python_snippet(code: str, *argv: str) -> list[str]:
-    return [sys.executable, "-c", code + "\n" + REPORT, "bench", *argv]
+    return [sys.executable, "-c", code + "\n" + REPORT, *argv]
 
 
 def build_seconds(model: Path, formats: str, out: Path, samples: int, seqlen: int, text: str) -> float:

@@ -61,6 +61,7 @@ class QuantizeJob:
     intermediate: Callable[..., Path]  # shared, manifest-recorded intermediate files (see Build.intermediate)
     log_dir: Path  # where library output (per-tensor lines and such) goes instead of the terminal
     calibration: Path | None = None  # the run's calibration tokens, [samples, seqlen] int32 (.npy)
+    checkpoint_dir: Path | None = None  # survives a killed run, for libraries that resume layer by layer
     threads: int = 2
     log: Callable[[str], None] = print
 

@@ -54,7 +54,14 @@ class GPTQModelBackend(HFFolderBackend):
         torch.manual_seed(0)
         model = GPTQModel.load(str(job.source.path), config, dtype=torch.bfloat16,
                                trust_remote_code=job.source.trust_remote_code)
-        model.quantize(samples, batch_size=1, backend=BACKEND.TORCH)
+        checkpoint = None
+        if job.checkpoint_dir is not None:
+            # GPTQModel's own resume: finished layers are kept in the checkpoint folder, and a run killed half way
+            # continues at the layer where it stopped.
+            from gptqmodel.looper.checkpoint_store import CheckpointConfig
+
+            checkpoint = CheckpointConfig(path=str(job.checkpoint_dir), resume="auto", interval="layer:1")
+        model.quantize(samples, batch_size=1, backend=BACKEND.TORCH, checkpoint=checkpoint)
         model.save(str(job.out))
         move_logs(job.out, job.log_dir, job.format.name, ("quant_log.csv",))
         facts = {"library": "gptqmodel", "bits": bits, "group_size": group_size, "calibration_samples":
