@@ -48,6 +48,10 @@ class GPTQModelBackend(HFFolderBackend):
         else:
             config = QuantizeConfig(bits=bits, group_size=group_size, desc_act=act_order, sym=True,
                                     offload_to_disk=False)
+        from gptqmodel.looper import loop_processor
+
+        # GPTQModel writes per-layer logs to ./logs of whatever directory it runs in: keep them in the run.
+        loop_processor._PROJECT_LOG_DIR = job.log_dir / "gptqmodel"
         calibration = load_calibration(job.calibration)
         samples = [{"input_ids": torch.as_tensor(row, dtype=torch.long)[None],
                     "attention_mask": torch.ones(1, len(row), dtype=torch.long)} for row in calibration]
