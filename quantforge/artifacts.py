@@ -70,12 +70,40 @@ def parameter_count(folder: Path) -> int:
     return sum(math.prod(info["shape"]) for _, info in _tensors(folder))
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def gguf_tensors(path: Path) -> list:
+    """The tensors of a GGUF file, or a one-line error when the file is not a complete, valid GGUF.
+
+    The gguf package raises many kinds of errors on damaged files (ValueError, IndexError, struct and numpy
+    errors); all of them mean the same thing to a user.
+    """
+    with open(path, "rb") as handle:
+        magic = handle.read(4)
+    if magic != GGUF_MAGIC:
+        raise QuantforgeError(f"{path} is not a GGUF file (it does not start with 'GGUF')")
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path)
+        tensors = list(reader.tensors)
+        size = path.stat().st_size
+        for tensor in tensors:
+            if int(tensor.data_offset) + int(tensor.n_bytes) > size:
+                raise ValueError("tensor data beyond the end of the file")
+    except QuantforgeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure to parse is a damaged file
+        raise QuantforgeError(f"{path} is a damaged or truncated GGUF file ({type(exc).__name__}); "
+                              "delete it and run the build again") from None
+    return tensors
+
+
 def tensor_bytes(path: Path) -> int:
     """Bytes of tensor data in a .gguf file, or in the safetensors files of a folder."""
     if path.suffix == ".gguf":
-        from gguf import GGUFReader
-
-        return sum(int(tensor.n_bytes) for tensor in GGUFReader(path).tensors)
+        return sum(int(tensor.n_bytes) for tensor in gguf_tensors(path))
     return sum(info["data_offsets"][1] - info["data_offsets"][0] for _, info in _tensors(path))
 
 

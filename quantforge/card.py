@@ -343,6 +343,10 @@ def render_markdown(card: dict) -> str:
             )
     if card["incomplete"]:
         lines.append(f"- Incomplete (rerun the build to finish): {', '.join(card['incomplete'])}.")
+    if model.get("trust_remote_code"):
+        lines.append("- trust_remote_code was ON: the model repository's own Python code ran during this build.")
+    if model["config"].get("converted_from_pickle"):
+        lines.append("- The source weights were pickle files (allowed with --allow-pickle), converted to safetensors.")
     lines += ["", f"quantforge {card['provenance']['quantforge_version']}: `{card['provenance']['command']}`", ""]
     return "\n".join(lines)
 

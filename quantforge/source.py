@@ -258,6 +258,30 @@ def _bundled_smollm2(log: Callable[[str], None]) -> Path:
 BUNDLED: dict[str, Callable[[Callable[[str], None]], Path]] = {"smollm2-135m": _bundled_smollm2}
 
 
+def convert_pickle_folder(folder: Path, log: Callable[[str], None]) -> Path:
+    """A safetensors copy of a folder whose weights are pickle files, in quantforge's cache (keyed by content)."""
+    import hashlib
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    digest = hashlib.sha256()
+    for name, info in sorted(folder_files(folder).items()):
+        digest.update(f"{name}:{info['sha256']}".encode())
+    dest = cache_root() / "converted" / digest.hexdigest()[:24]
+    if (dest / "config.json").exists():
+        return dest
+    log(f"converting the pickle weights of {folder} to safetensors (once; cached in {dest})")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_safetensors=False)
+    with atomic_output(dest) as tmp:
+        model.save_pretrained(tmp)
+        try:
+            AutoTokenizer.from_pretrained(folder).save_pretrained(tmp)
+        except (OSError, ValueError):
+            pass  # a folder without a tokenizer: later stages that need one say so
+    return dest
+
+
 # ----------------------------------------------------------------------------------------------- Hub
 
 
@@ -303,8 +327,35 @@ def _start_progress(repo_id: str, revision: str, patterns: list[str], progress) 
     return _watch_download(blobs, total, progress) if total else None
 
 
+STALE_DOWNLOAD_SECONDS = 60
+
+
+def clean_stale_downloads(repo_id: str, log: Callable[[str], None]) -> list[Path]:
+    """Remove the partial files a killed download left in the HF cache for this repo.
+
+    huggingface_hub (1.x) resumes an interrupted transfer within its own process (HTTP Range on retry), but each
+    process writes to its own uniquely named ``*.incomplete`` file, so what a killed process left behind is never
+    reused and would stay in the cache for good. A file no one has written to for a minute is such a leftover; an
+    active download of another process writes to its file continuously and is left alone.
+    """
+    import time
+
+    from huggingface_hub import constants
+
+    blobs = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}" / "blobs"
+    stale = [p for p in blobs.glob("*.incomplete") if time.time() - p.stat().st_mtime > STALE_DOWNLOAD_SECONDS] \
+        if blobs.exists() else []
+    for path in stale:
+        path.unlink(missing_ok=True)
+    if stale:
+        size = sum(1 for _ in stale)
+        log(f"removed {size} partial download(s) of {repo_id} left in the Hugging Face cache by a killed run")
+    return stale
+
+
 def download_from_hub(
-    repo_id: str, revision: str, *, allow_pickle: bool, progress: Callable[[int, int], None] | None = None
+    repo_id: str, revision: str, *, allow_pickle: bool, progress: Callable[[int, int], None] | None = None,
+    log: Callable[[str], None] = print,
 ) -> tuple[Path, str]:
     """Download a snapshot with huggingface_hub (resumable, cached; HF_HUB_OFFLINE honoured)."""
     from .hub import hub_offline
@@ -320,6 +371,7 @@ def download_from_hub(
     )
 
     patterns = HUB_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
+    clean_stale_downloads(repo_id, log)
     finish = None
     try:
         if progress and not offline:
@@ -396,11 +448,14 @@ def fetch(
     elif spec.kind == "hub":
         hub_id = spec.target
         folder, revision = download_from_hub(
-            spec.target, spec.revision or "main", allow_pickle=allow_pickle, progress=progress
+            spec.target, spec.revision or "main", allow_pickle=allow_pickle, progress=progress, log=log
         )
     else:
         raise QuantforgeError(f"cannot fetch a model of kind {spec.kind}")
     facts = model_facts(folder, allow_pickle=allow_pickle)
+    if not facts["weight_files"]:  # pickle weights the user allowed: convert once, then work on safetensors
+        folder = convert_pickle_folder(folder, log)
+        facts = {**model_facts(folder), "converted_from_pickle": True}
     if facts["weight_files"]:
         from .artifacts import parameter_count
 

@@ -19,12 +19,16 @@ CHUNK = 64 * 1024
 
 
 class FakeHub:
-    def __init__(self, repos: dict[str, Path], delay_per_chunk: float = 0.0, lfs_sha_override: dict | None = None):
+    def __init__(self, repos: dict[str, Path], delay_per_chunk: float = 0.0, lfs_sha_override: dict | None = None,
+                 drop_after_bytes: int | None = None):
         self.repos = {name: folder for name, folder in repos.items()}
         self.commits = {name: hashlib.sha1(name.encode()).hexdigest() for name in repos}
         self.delay_per_chunk = delay_per_chunk
         self.lfs_sha_override = lfs_sha_override or {}
         self.requests: list[str] = []
+        self.ranges: list[str] = []  # Range headers of file requests: a resumed download sends one
+        # Cut the connection once, this many bytes into the first weights download (a flaky network).
+        self.drop_after_bytes = drop_after_bytes
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
@@ -124,6 +128,8 @@ class FakeHub:
                 data = file.read_bytes()
                 etag = _sha256(file) if file.suffix == ".safetensors" else hashlib.sha1(data).hexdigest()
                 start = 0
+                if self.command == "GET" and self.headers.get("Range"):
+                    hub.ranges.append(self.headers["Range"])
                 ranged = re.match(r"bytes=(\d+)-", self.headers.get("Range", ""))
                 if ranged:
                     start = int(ranged.group(1))
@@ -139,7 +145,12 @@ class FakeHub:
                 self.end_headers()
                 if not send_body:
                     return
+                drop = hub.drop_after_bytes if file.suffix == ".safetensors" and not ranged else None
                 for offset in range(start, len(data), CHUNK):
+                    if drop is not None and offset - start >= drop:
+                        hub.drop_after_bytes = None
+                        self.close_connection = True
+                        return
                     try:
                         self.wfile.write(data[offset:offset + CHUNK])
                     except (BrokenPipeError, ConnectionResetError):

@@ -11,6 +11,9 @@ import pytest
 from conftest import FAST_EVAL, quantforge_cli, tree_digest
 
 
+pytestmark = pytest.mark.reliability
+
+
 def assert_clean_error(result, *fragments: str) -> None:
     assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
     lines = [line for line in result.stderr.strip().splitlines() if line.startswith("error:")]

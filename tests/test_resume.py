@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import signal
@@ -12,6 +14,9 @@ from pathlib import Path
 
 from conftest import FAST_EVAL, TINY_FORMATS, TINY_RUN_ARGS, quantforge_cli, read_json
 from quantforge.fsutil import PARTIAL_MARKER, file_records, find_partials
+
+
+pytestmark = pytest.mark.reliability
 
 
 def _stages(run: Path) -> dict:

@@ -27,6 +27,23 @@ FORMATS = {
 BITS = {"gptq-int4": 4, "gptq-int8": 8, "awq": 4}
 
 
+def _drop_local_paths(folder: Path) -> None:
+    """GPTQModel records its offload folder in the configs it saves: a local path has no place in a release, and
+    it would make two runs' artifacts differ."""
+    import json
+
+    for name in ("config.json", "quantize_config.json"):
+        path = folder / name
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        section = data.get("quantization_config", data)
+        meta = section.get("meta") or {}
+        if "offload_to_disk_path" in meta:
+            meta.pop("offload_to_disk_path")
+            path.write_text(json.dumps(data, indent=2) + "\n")
+
+
 class GPTQModelBackend(HFFolderBackend):
     name = "gptqmodel"
     formats = FORMATS
@@ -42,12 +59,17 @@ class GPTQModelBackend(HFFolderBackend):
         group_size, note = self.group_size(job.source, job.format, job.settings)
         bits = BITS[job.format.name]
         act_order = bool(job.settings.get("act_order", False))
+        # GPTQModel resumes layer by layer from a checkpoint only for llama models, and only with its disk
+        # offload on; the offload folder then goes into the run's work folder, not a random temporary one.
+        resumable = job.checkpoint_dir is not None and job.source.config.get("model_type") == "llama"
+        offload = {"offload_to_disk": resumable}
+        if resumable:
+            offload["offload_to_disk_path"] = str(job.checkpoint_dir / "offload")
         if job.format.name == "awq":
             config = QuantizeConfig(bits=bits, group_size=group_size, quant_method="awq", format="gemm", sym=False,
-                                    offload_to_disk=False)
+                                    **offload)
         else:
-            config = QuantizeConfig(bits=bits, group_size=group_size, desc_act=act_order, sym=True,
-                                    offload_to_disk=False)
+            config = QuantizeConfig(bits=bits, group_size=group_size, desc_act=act_order, sym=True, **offload)
         from gptqmodel.looper import loop_processor
 
         # GPTQModel writes per-layer logs to ./logs of whatever directory it runs in: keep them in the run.
@@ -59,7 +81,7 @@ class GPTQModelBackend(HFFolderBackend):
         model = GPTQModel.load(str(job.source.path), config, dtype=torch.bfloat16,
                                trust_remote_code=job.source.trust_remote_code)
         checkpoint = None
-        if job.checkpoint_dir is not None:
+        if resumable:
             # GPTQModel's own resume: finished layers are kept in the checkpoint folder, and a run killed half way
             # continues at the layer where it stopped.
             from gptqmodel.looper.checkpoint_store import CheckpointConfig
@@ -67,6 +89,7 @@ class GPTQModelBackend(HFFolderBackend):
             checkpoint = CheckpointConfig(path=str(job.checkpoint_dir), resume="auto", interval="layer:1")
         model.quantize(samples, batch_size=1, backend=BACKEND.TORCH, checkpoint=checkpoint)
         model.save(str(job.out))
+        _drop_local_paths(job.out)
         move_logs(job.out, job.log_dir, job.format.name, ("quant_log.csv",))
         facts = {"library": "gptqmodel", "bits": bits, "group_size": group_size, "calibration_samples":
                  int(calibration.shape[0]), "calibration_seqlen": int(calibration.shape[1])}

@@ -49,9 +49,9 @@ def gguf_file_in(folder: Path) -> Path:
 
 
 def tensor_types(gguf_path: Path) -> dict[str, str]:
-    from gguf import GGUFReader
+    from ..artifacts import gguf_tensors
 
-    return {tensor.name: tensor.tensor_type.name for tensor in GGUFReader(gguf_path).tensors}
+    return {tensor.name: tensor.tensor_type.name for tensor in gguf_tensors(gguf_path)}
 
 
 def quantize_gguf(source: Path, target: Path, ftype: int, threads: int, log_path: Path) -> dict:
@@ -157,6 +157,9 @@ class LlamaCppBackend(Backend):
         return gguf_file_in(artifact_dir)
 
     def open_runner(self, artifact_dir: Path, *, context: int, threads: int) -> LogitsRunner:
+        from ..artifacts import gguf_tensors
+
+        gguf_tensors(self.artifact_file(artifact_dir))  # a damaged file gets a clear error, not a crash in C
         return LlamaCppRunner(self.artifact_file(artifact_dir), context=context, threads=threads)
 
     def probe_target(self, artifact_dir: Path) -> tuple[str, Path]:
