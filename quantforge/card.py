@@ -148,13 +148,15 @@ def build_card(run_dir: Path, targets: Targets) -> dict:
     return {
         "schema": CARD_SCHEMA,
         "model": manifest.stage("fetch")["result"] | {"parameters": plan.get("parameters")},
-        "evaluation": {**plan.get("evaluation", {}), "convention": CONVENTION},
+        "evaluation": {**plan["eval_settings"], "requested_text": plan["eval_settings"]["text"],
+                       "text": manifest.stage("tokens")["result"]["text"], "convention": CONVENTION},
         "reference": {**reference["result"], "tasks": _with_recovery(_task_results(manifest, "reference"), {})[0],
                       "speed": (manifest.stage("speed/reference") or {}).get("result")},
         "host": (manifest.stage("host") or {}).get("result"),
         "calibration": (manifest.stage("calibration") or {}).get("result"),
         "formats": entries,
         "incomplete": [e["key"] for e in entries if not e["complete"]],
+        "same_format": same_format_comparisons({"formats": entries}),
         "pareto_front": pareto_front([(c.key, c.size_bytes, c.metrics["kld_mean"]) for c in candidates
                                       if c.metrics.get("kld_mean") is not None]),
         "targets": targets.to_json(),
@@ -178,6 +180,37 @@ def _size(size_bytes: int) -> str:
 
 def _num(value, digits=3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def same_format_comparisons(card: dict) -> list[dict]:
+    """Pairs of artifacts of one format made by different backends: which is closer to the reference, by how much."""
+    complete = [e for e in card["formats"] if e.get("complete") and e["metrics"].get("kld_mean") is not None]
+    pairs = []
+    for index, first in enumerate(complete):
+        for second in complete[index + 1:]:
+            if first["format"] != second["format"]:
+                continue
+            better, worse = sorted((first, second), key=lambda e: e["metrics"]["kld_mean"])
+            pairs.append({
+                "format": first["format"], "better": better["key"], "worse": worse["key"],
+                "size_ratio": better["size_bytes"] / worse["size_bytes"],
+                "kld_ratio": better["metrics"]["kld_mean"] / worse["metrics"]["kld_mean"],
+                "ppl_increase_pct": [better["metrics"]["perplexity_increase_pct"],
+                                     worse["metrics"]["perplexity_increase_pct"]],
+            })
+    return pairs
+
+
+def _same_format_comparisons(card: dict) -> list[str]:
+    lines = []
+    for pair in card.get("same_format", []):
+        size = "the same size" if abs(pair["size_ratio"] - 1) < 0.01 else f"{pair['size_ratio']:.3f}x the size"
+        lines.append(
+            f"Same format, two backends: **{pair['better']}** is closer to the reference than {pair['worse']} at "
+            f"{size}: mean KL divergence {pair['kld_ratio']:.2f}x, perplexity change "
+            f"{pair['ppl_increase_pct'][0]:+.2f}% against {pair['ppl_increase_pct'][1]:+.2f}%."
+        )
+    return [""] + lines if lines else []
 
 
 def _tasks_table(card: dict) -> list[str]:
@@ -281,6 +314,7 @@ def render_markdown(card: dict) -> str:
     if decision["best_per_family"]:
         best = ", ".join(f"{family}: {key}" for family, key in sorted(decision["best_per_family"].items()))
         lines.append(f"Best per runtime family: {best}.")
+    lines += _same_format_comparisons(card)
     lines += ["", "| format | outcome | why |", "|---|---|---|"]
     lines += [f"| {v['key']} | {v['outcome']} | {v['reason']} |" for v in decision["verdicts"]]
     lines += [
@@ -356,10 +390,10 @@ def write_card(run_dir: Path, targets: Targets) -> dict:
     from .html import write_html
 
     card = build_card(run_dir, targets)
-    atomic_write_json(run_dir / "card.json", card)
     atomic_write_text(run_dir / "card.md", render_markdown(card))
     write_html(run_dir, card)
     write_deployment_files(run_dir, card)
+    atomic_write_json(run_dir / "card.json", card)  # last: its presence means the whole card was written
     return card
 
 

@@ -137,11 +137,14 @@ def main() -> None:
 @click.option("--group-size", help="Quantization group size for GPTQ/AWQ (default 128), or 'auto': the largest "
               "of 128/64/32/16 that divides every layer width.")
 @click.option("--act-order/--no-act-order", default=None, help="GPTQ activation order (desc_act); default off.")
+@click.option("--layer-resume", is_flag=True, default=None, help="Let GPTQModel resume a killed quantization at the "
+              "layer where it stopped (llama models); faster, but the bytes then differ from an uninterrupted run.")
 @click.option("--allow-pickle", is_flag=True, help="Allow pickle (.bin) weights, which can run code when loaded.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model repo's own Python code to run.")
 @click.option("--json", "as_json", is_flag=True, help="Print the card as JSON on stdout.")
 def build(model, formats, backends, out, recipe_file, force, eval_text, ppl_context, ppl_windows, threads, task_names, tasks_data, limit, speed, prompt_tokens, gen_tokens,
-          calibration, calib_samples, calib_seqlen, group_size, act_order, allow_pickle, trust_remote_code, as_json,
+          calibration, calib_samples, calib_seqlen, group_size, act_order, layer_resume, allow_pickle,
+          trust_remote_code, as_json,
           **targets):
     """Fetch MODEL (a recipe, Hub id, local folder or bundled model), quantize, evaluate, write the card."""
     from .pipeline import BuildRequest
@@ -155,7 +158,8 @@ def build(model, formats, backends, out, recipe_file, force, eval_text, ppl_cont
         tasks=_split(task_names), tasks_data=tasks_data, limit=limit, speed=speed, prompt_tokens=prompt_tokens,
         gen_tokens=gen_tokens,
         calibration=calibration, calib_samples=calib_samples, calib_seqlen=calib_seqlen, group_size=group_size,
-        act_order=act_order, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
+        act_order=act_order, layer_resume=layer_resume, allow_pickle=allow_pickle,
+        trust_remote_code=trust_remote_code,
         command="quantforge " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
     )
     ui = UI()
@@ -220,6 +224,66 @@ def card(run_dir, as_json, **targets):
     stored = json.loads((run_dir / "run.json").read_text()).get("plan", {}).get("targets") or {}
     result = write_card(run_dir, Targets(**{**stored, **target_overrides(**targets)}))
     _print_card(result, as_json, UI())
+
+
+@main.command()
+@click.argument("release_file", type=click.Path(path_type=Path))
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="local: in this process, in order; ray: tasks on a Ray cluster.")
+@click.option("--address", help="Ray cluster address (e.g. ray://head:10001 or 127.0.0.1:6379); default: start a "
+              "local cluster.")
+@click.option("--dry-run", is_flag=True, help="Print the plan (every unit, its resources, what is done) and stop.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan or the outcome as JSON.")
+def release(release_file, executor, address, dry_run, as_json):
+    """Run a release: several models x formats, each model into its own run directory, with one card each."""
+    from .release import EXECUTORS, RayExecutor, describe_failure, load_release, plan_release
+    from .ui import UI
+
+    if address and executor != "ray":
+        raise QuantforgeError("--address is for --executor ray")
+    spec = load_release(release_file)
+    units, _ = plan_release(spec)
+    if dry_run:
+        rows = [{"unit": u.id, "depends": u.depends, "resources": u.resources, "done": u.done} for u in units]
+        if as_json:
+            click.echo(json.dumps({"release": spec.name, "out": str(spec.out), "units": rows}, indent=2))
+            return
+        click.echo(f"release {spec.name} -> {spec.out} ({len(spec.models)} models, {len(units)} units)")
+        for unit in units:
+            memory = unit.resources.get("memory_bytes")
+            needs = f"cpus={unit.resources['cpus']} gpus={unit.resources['gpus']}" + (
+                f" memory~{memory / 1e9:.1f}GB" if memory else "")
+            after = f" after {', '.join(unit.depends)}" if unit.depends else ""
+            click.echo(f"  {'done   ' if unit.done else 'pending'} {unit.id:<40} {needs}{after}")
+        return
+    runner = RayExecutor(address) if executor == "ray" else EXECUTORS[executor]()
+    ui = UI()
+    models = {m.name: [u for u in units if u.model == m.name] for m in spec.models}
+    with ui:
+        bars = {name: ui.progress.add_task(f"{name}", total=len(model_units)) for name, model_units in models.items()}
+
+        def report(outcome):
+            ui.progress.advance(bars[outcome.unit.model])
+            if outcome.status == "failed":
+                ui.log(f"[red]✗[/red] {outcome.unit.id}: {outcome.reason}")
+
+        outcomes = runner.run(spec, units, report)
+    failed = [o for o in outcomes if o.status == "failed"]
+    blocked = [o for o in outcomes if o.status.startswith("not run")]
+    if as_json:
+        click.echo(json.dumps({"release": spec.name, "outcomes": [
+            {"unit": o.unit.id, "status": o.status, "reason": o.reason} for o in outcomes]}, indent=2))
+    for model in spec.models:
+        card = spec.out / model.name / "card.json"
+        if card.exists() and not any(o.unit.model == model.name for o in failed + blocked):
+            recommended = json.loads(card.read_text())["decision"]["recommended"]
+            click.echo(f"{model.name}: recommended {recommended or 'none'} ({card.parent / 'card.md'})", err=as_json)
+    for outcome in failed:
+        click.echo(f"failed: {describe_failure(spec, outcome)}", err=True)
+    if blocked:
+        click.echo(f"{len(blocked)} unit(s) not run because a unit they depend on failed", err=True)
+    if failed:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -150,9 +150,11 @@ def run_stage(
 class RunLock:
     """One run per directory: a lock file holding the owner's pid; a lock whose pid is dead is taken over."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, wait: bool = False, poll_seconds: float = 0.5):
         self.path = run_dir / LOCK_NAME
         self.took_over_from: int | None = None
+        self.wait = wait  # release units of one model queue for the directory instead of failing
+        self.poll_seconds = poll_seconds
 
     def __enter__(self) -> "RunLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -161,6 +163,9 @@ class RunLock:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 owner = self._owner()
+                if owner is not None and owner != os.getpid() and _pid_alive(owner) and self.wait:
+                    time.sleep(self.poll_seconds)
+                    continue
                 if owner is not None and owner != os.getpid() and _pid_alive(owner):
                     raise QuantforgeError(
                         f"{self.path.parent} is in use by another quantforge run (pid {owner}); "

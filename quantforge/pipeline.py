@@ -7,6 +7,7 @@ and its outputs are still on disk. The card is re-rendered from the manifest at 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ class BuildRequest:
     calib_seqlen: int | None = None
     group_size: str | None = None
     act_order: bool | None = None
+    layer_resume: bool | None = None
     allow_pickle: bool = False
     trust_remote_code: bool = False
     command: str = "quantforge build"
@@ -154,7 +156,8 @@ def make_plan(request: BuildRequest) -> Plan:
     if str(group_size) != "auto" and not str(group_size).isdigit():
         raise QuantforgeError(f"--group-size must be a number or 'auto', not {group_size!r}")
     quantize = {"group_size": "auto" if str(group_size) == "auto" else int(group_size),
-                "act_order": bool(_first(request.act_order, recipe_quantize.get("act_order"), False))}
+                "act_order": bool(_first(request.act_order, recipe_quantize.get("act_order"), False)),
+                "layer_resume": bool(_first(request.layer_resume, recipe_quantize.get("layer_resume"), False))}
     targets = Targets(**{**recipe_targets, **request.targets})
     problems = targets.problems()
     if problems:
@@ -318,8 +321,6 @@ class Build:
         settings = self.plan.eval
         text = load_text(settings.text)
         path = self.run_dir / "work" / "eval-windows.npy"
-        self.manifest.data["plan"]["evaluation"] = {**settings.to_json(), "requested_text": settings.text,
-                                                    "text": text.describe()}
 
         def produce():
             with self.ui.task(f"tokenize {text.name}"):
@@ -516,8 +517,10 @@ class Build:
 
     # -- the whole build --------------------------------------------------------------------------------------
 
-    def run(self) -> dict:
-        with RunLock(self.run_dir) as lock, self.ui:
+    @contextlib.contextmanager
+    def session(self, wait: bool = False):
+        """Hold the run directory, clean what a killed run left, fetch and check the model, record the plan."""
+        with RunLock(self.run_dir, wait=wait) as lock, self.ui:
             if lock.took_over_from:
                 self.ui.log(f"took over the lock of a run that is no longer alive (pid {lock.took_over_from})")
             removed = clean_partials(self.run_dir)
@@ -528,32 +531,67 @@ class Build:
             self.source = self.fetch()
             self.check_backends()
             self.check_same_model()
-            parameters = self.source.config.get("parameters") or 0
-            self.check_resources(parameters)
+            self.parameters = self.source.config.get("parameters") or 0
+            self.check_resources(self.parameters)
             # Only now, with the input checked, does this build touch the run's manifest.
-            self.manifest.data["plan"] = {**self.plan.to_json(), "parameters": parameters}
+            self.manifest.data["plan"] = {**self.plan.to_json(), "parameters": self.parameters}
             self.manifest.data["quantforge_version"] = __version__
             self.record_fetch()
-            windows = self.tokens()
-            with LazyRunner(self.open_reference_runner, TASK_CONTEXT) as runner:
-                reference_path = self.reference(windows, runner)
-                self.tasks("reference", runner, "fetch")
-            if self.plan.speed:
-                from .artifacts import tensor_bytes
-
-                self.speed("reference", ("transformers", self.source.path), tensor_bytes(self.source.path),
-                           windows[0], "fetch")
-            calibration = self.calibration()
-            for choice in self.plan.choices:
-                self.quantize(choice, parameters, calibration)
-                self.evaluate(choice, windows, reference_path)
-                if self.plan.speed:
-                    artifact_dir = self.run_dir / "artifacts" / choice.key
-                    weight_bytes = self.manifest.stage(f"quantize/{choice.key}")["result"]["tensor_bytes"]
-                    self.speed(choice.key, choice.backend.probe_target(artifact_dir), weight_bytes, windows[0],
-                               f"quantize/{choice.key}")
+            yield
             self.manifest.save()
-            return write_card(self.run_dir, self.plan.targets)
+
+    def prepare(self) -> None:
+        """What every format of the run shares: evaluation tokens, the reference, the calibration set."""
+        windows = self.tokens()
+        with LazyRunner(self.open_reference_runner, TASK_CONTEXT) as runner:
+            self.reference(windows, runner)
+            self.tasks("reference", runner, "fetch")
+        if self.plan.speed:
+            from .artifacts import tensor_bytes
+
+            self.speed("reference", ("transformers", self.source.path), tensor_bytes(self.source.path),
+                       windows[0], "fetch")
+        self.calibration()
+
+    def make(self, choice: Choice) -> None:
+        self.quantize(choice, self.parameters, self.calibration())
+
+    def measure(self, choice: Choice) -> None:
+        windows = self.tokens()
+        self.evaluate(choice, windows, self.reference(windows, LazyRunner(self.open_reference_runner, 0)))
+        if self.plan.speed:
+            artifact_dir = self.run_dir / "artifacts" / choice.key
+            weight_bytes = self.manifest.stage(f"quantize/{choice.key}")["result"]["tensor_bytes"]
+            self.speed(choice.key, choice.backend.probe_target(artifact_dir), weight_bytes, windows[0],
+                       f"quantize/{choice.key}")
+
+    def card(self) -> dict:
+        return write_card(self.run_dir, self.plan.targets)
+
+    def run(self) -> dict:
+        with self.session():
+            self.prepare()
+            for choice in self.plan.choices:
+                self.make(choice)
+                self.measure(choice)
+        return self.card()
+
+    def run_unit(self, unit: str, key: str | None = None) -> dict:
+        """One unit of a release: "prepare", "quantize" or "evaluate" (of the format ``key``), or "card".
+
+        Units of one model wait for each other's hold on the run directory, so they may be scheduled at once.
+        """
+        choice = next((c for c in self.plan.choices if c.key == key), None) if key else None
+        if key and choice is None:
+            raise QuantforgeError(f"no format '{key}' in the plan of {self.run_dir}")
+        with self.session(wait=True):
+            if unit == "prepare":
+                self.prepare()
+            elif unit == "quantize":
+                self.make(choice)
+            elif unit == "evaluate":
+                self.measure(choice)
+        return self.card() if unit == "card" else {"unit": unit, "key": key}
 
 
 def build(request: BuildRequest, ui: UI | None = None) -> dict:

@@ -26,7 +26,7 @@ SCHEMA: dict = {
     "targets": {"max_ppl_increase": (int, float), "max_kld": (int, float), "min_top1_agreement": (int, float),
                 "min_recovery": (int, float), "max_size_gb": (int, float), "min_decode_tps": (int, float),
                 "gpu": str, "context": int, "concurrency": int, "runtime": str},
-    "quantize": {"group_size": (int, str), "act_order": bool},
+    "quantize": {"group_size": (int, str), "act_order": bool, "layer_resume": bool},
     "calibration": {"dataset": str, "samples": int, "seqlen": int, "seed": int},
 }
 

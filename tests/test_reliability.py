@@ -57,6 +57,16 @@ def test_sigint_during_quantization_stops_cleanly_and_resumes(tiny_llama, tmp_pa
     assert read_json(run / "run.json")["stages"]["reference"]["started"] == stages["reference"]["started"]
 
 
+def test_layer_resume_mode_quantizes_and_leaves_no_local_path(tiny_llama, tmp_path):
+    run = tmp_path / "run"
+    result = quantforge_cli("build", str(tiny_llama), "--out", str(run), "--formats", "gptq-int4", "--layer-resume",
+                            *FAST_EVAL, "--calib-samples", "8", "--calib-seqlen", "128")
+    assert result.returncode == 0, result.stderr[-2000:]
+    config = (run / "artifacts" / "gptq-int4" / "config.json").read_text()
+    assert '"offload_to_disk": true' in config and str(run) not in config
+    assert not any((run / "work" / "checkpoints").iterdir())  # layer checkpoints go once the artifact is done
+
+
 def test_evaluation_killed_half_way_resumes_at_the_window_where_it_stopped(tiny_llama, tiny_run, tmp_path):
     run = tmp_path / "run"
     args = ["--formats", "gguf-q8_0", "--eval-text", str(WIKITEXT), "--ppl-context", "128", "--ppl-windows", "200",

@@ -57,6 +57,14 @@ def resolve_group_size(config: dict, requested) -> tuple[int, str | None]:
     return group, None
 
 
+def set_threads(threads: int) -> None:
+    """The same torch thread count wherever a backend runs (a Ray worker starts with one): float sums are ordered
+    by threads, so this keeps a format's bytes the same under every executor."""
+    import torch
+
+    torch.set_num_threads(max(1, threads))
+
+
 def load_calibration(path: Path | None) -> np.ndarray:
     if path is None:
         raise QuantforgeError("this format needs a calibration set, and none was prepared")

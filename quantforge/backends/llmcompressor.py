@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import Format, QuantizeJob
-from .hf import VLLM_RUNTIMES, HFFolderBackend, load_calibration
+from .hf import set_threads, VLLM_RUNTIMES, HFFolderBackend, load_calibration
 
 FORMATS = {
     "int8": Format("int8", "hf", "W8A8 INT8", VLLM_RUNTIMES, 8.1, "INT8 weights and activations (vLLM)"),
@@ -45,6 +45,7 @@ class LLMCompressorBackend(HFFolderBackend):
         from llmcompressor.modifiers.quantization import GPTQModifier
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        set_threads(job.threads)
         calibration = load_calibration(job.calibration)
         dataset = Dataset.from_dict({"input_ids": [row.tolist() for row in calibration],
                                      "attention_mask": [[1] * calibration.shape[1]] * calibration.shape[0]})

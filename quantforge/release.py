@@ -1,0 +1,322 @@
+"""``quantforge release``: many models x formats as one release, run by a local or a Ray executor.
+
+The release file (YAML, validated like recipes: file, line and key in every error) names the models, the shared
+defaults and per-model overrides, and where results go. Each model gets a run directory under ``out``; the run's
+manifest stays the one source of truth, so a unit that finished is never scheduled again, whichever executor ran
+it, across restarts of the driver or of the cluster.
+
+Units and their order: ``prepare`` (fetch, evaluation tokens, reference, calibration) of a model; then per format
+``quantize`` and ``evaluate``; then the model's ``card`` once all its evaluations are in. Units of one model take
+turns on its run directory (they wait for its lock), so an executor may start them as soon as their dependencies
+are done.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+from .errors import QuantforgeError
+from .recipes import SCHEMA as RECIPE_SCHEMA
+from .recipes import _check
+
+MODEL_SETTINGS = {
+    "formats": list, "backends": list, "eval": RECIPE_SCHEMA["eval"], "targets": RECIPE_SCHEMA["targets"],
+    "quantize": RECIPE_SCHEMA["quantize"], "calibration": RECIPE_SCHEMA["calibration"], "speed": bool,
+    "revision": str, "trust_remote_code": bool,
+}
+RELEASE_SCHEMA = {
+    "name": str,
+    "description": str,
+    "out": str,
+    "defaults": MODEL_SETTINGS,
+}
+MODEL_SCHEMA = {"model": str, "name": str, **MODEL_SETTINGS}
+
+
+@dataclass
+class ReleaseModel:
+    name: str
+    model: str
+    settings: dict  # defaults merged with the model's overrides
+
+
+@dataclass
+class Release:
+    name: str
+    path: Path
+    out: Path
+    models: list[ReleaseModel]
+
+
+def _merge(defaults: dict, overrides: dict) -> dict:
+    merged = dict(defaults)
+    for key, value in overrides.items():
+        merged[key] = {**defaults.get(key, {}), **value} if isinstance(value, dict) else value
+    return merged
+
+
+def load_release(path: Path) -> Release:
+    try:
+        node = yaml.compose(path.read_text())
+    except OSError as exc:
+        raise QuantforgeError(f"cannot read release file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        raise QuantforgeError(f"{path}{f':{mark.line + 1}' if mark else ''}: malformed YAML") from None
+    if not isinstance(node, yaml.MappingNode):
+        raise QuantforgeError(f"{path}: a release file is a mapping with 'models' and optional 'defaults' and 'out'")
+    models_node = next((value for key, value in node.value if key.value == "models"), None)
+    rest = yaml.MappingNode(node.tag, [(k, v) for k, v in node.value if k.value != "models"])
+    top = _check(rest, RELEASE_SCHEMA, path, "")
+    if not isinstance(models_node, yaml.SequenceNode) or not models_node.value:
+        raise QuantforgeError(f"{path}: 'models' must be a non-empty list of models")
+    defaults = top.get("defaults", {})
+    models, names = [], set()
+    for index, item in enumerate(models_node.value):
+        entry = _check(item, MODEL_SCHEMA, path, f"models[{index}]")
+        if "model" not in entry:
+            raise QuantforgeError(f"{path}:{item.start_mark.line + 1}: models[{index}] has no 'model' key")
+        name = entry.get("name") or Path(entry["model"]).name.replace("/", "-")
+        if name in names:
+            raise QuantforgeError(f"{path}:{item.start_mark.line + 1}: two models are named '{name}'; set 'name'")
+        names.add(name)
+        settings = _merge(defaults, {k: v for k, v in entry.items() if k not in ("model", "name")})
+        model = entry["model"]
+        if not model.startswith("bundled:") and (path.parent / model).exists():
+            model = str((path.parent / model).resolve())  # folders are relative to the release file
+        models.append(ReleaseModel(name, model, settings))
+    out = Path(top.get("out", f"runs/{top.get('name', path.stem)}"))
+    out = out if out.is_absolute() else (path.parent / out).resolve()
+    return Release(top.get("name", path.stem), path, out, models)
+
+
+def build_request(release: Release, model: ReleaseModel):
+    """The `quantforge build` request that a release makes for one model."""
+    from .pipeline import BuildRequest
+
+    settings = model.settings
+    evaluation = settings.get("eval", {})
+    calibration = settings.get("calibration", {})
+    quantize = settings.get("quantize", {})
+    return BuildRequest(
+        model=model.model, formats=settings.get("formats"), backends=settings.get("backends"),
+        out=release.out / model.name, eval_text=evaluation.get("text"), ppl_context=evaluation.get("context"),
+        ppl_windows=evaluation.get("windows"), threads=evaluation.get("threads"), tasks=evaluation.get("tasks"),
+        tasks_data=Path(evaluation["tasks_data"]) if evaluation.get("tasks_data") else None,
+        limit=evaluation.get("limit"), speed=settings.get("speed", True),
+        calibration=calibration.get("dataset"), calib_samples=calibration.get("samples"),
+        calib_seqlen=calibration.get("seqlen"), group_size=quantize.get("group_size"),
+        act_order=quantize.get("act_order"), targets=settings.get("targets", {}),
+        trust_remote_code=settings.get("trust_remote_code", False),
+        command=f"quantforge release {shlex.quote(str(release.path))}",
+    )
+
+
+def retry_command(request, key: str | None) -> str:
+    """The `quantforge build` command that redoes just this model (or this format of it)."""
+    parts = ["quantforge", "build", request.model, "--out", str(request.out)]
+    formats = [key.split("@")[0]] if key else request.formats
+    if formats:
+        parts += ["--formats", ",".join(formats)]
+    if key and "@" in key:
+        parts += ["--backend", key.split("@")[1]]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+# ----------------------------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class Unit:
+    id: str  # "<model>/prepare", "<model>/quantize/<key>", "<model>/evaluate/<key>", "<model>/card"
+    model: str
+    kind: str
+    key: str | None
+    depends: list[str] = field(default_factory=list)
+    resources: dict = field(default_factory=dict)  # cpus, gpus, memory_bytes (estimated)
+    done: bool = False
+
+
+def _estimate_memory(folder: str, kind: str) -> int | None:
+    """Bytes a unit may need, from the model's size on disk (None when not known before downloading)."""
+    path = Path(folder)
+    if not path.is_dir():
+        return None
+    from .artifacts import parameter_count
+
+    try:
+        parameters = parameter_count(path)
+    except QuantforgeError:
+        return None
+    per_weight = {"prepare": 4 * 1.3, "quantize": 2 * 2.0, "evaluate": 4 * 1.3, "card": 0}[kind]
+    return int(parameters * per_weight) or None
+
+
+def plan_release(release: Release) -> tuple[list[Unit], dict]:
+    """Every unit with its dependencies, resources and whether the run's manifest already holds its work."""
+    from .manifest import Manifest
+    from .pipeline import make_plan
+
+    units, plans = [], {}
+    for model in release.models:
+        plan = make_plan(build_request(release, model))
+        plans[model.name] = plan
+        stages = Manifest.open(plan.run_dir).stages if (plan.run_dir / "run.json").exists() else {}
+        gpus = 0  # no backend of ours needs a GPU; a third-party one could declare it here
+
+        def unit(kind, key=None, depends=(), done=False):
+            memory = _estimate_memory(model.model, kind)
+            resources = {"cpus": 1, "gpus": gpus, **({"memory_bytes": memory} if memory else {})}
+            return Unit(f"{model.name}/{kind}" + (f"/{key}" if key else ""), model.name, kind, key, list(depends),
+                        resources, done)
+
+        prepare = unit("prepare", done="reference" in stages and (not plan.needs_calibration or
+                                                                  "calibration" in stages))
+        units.append(prepare)
+        evaluations = []
+        for choice in plan.choices:
+            quantize = unit("quantize", choice.key, [prepare.id], f"quantize/{choice.key}" in stages)
+            evaluate = unit("evaluate", choice.key, [quantize.id], f"evaluate/{choice.key}" in stages and (
+                not plan.speed or f"speed/{choice.key}" in stages))
+            units += [quantize, evaluate]
+            evaluations.append(evaluate.id)
+        card, manifest = plan.run_dir / "card.json", plan.run_dir / "run.json"
+        card_current = card.exists() and card.stat().st_mtime >= manifest.stat().st_mtime
+        units.append(unit("card", None, evaluations, card_current and all(u.done for u in units
+                                                                          if u.model == model.name)))
+    return units, plans
+
+
+def run_unit(release_path: str, model_name: str, kind: str, key: str | None) -> dict:
+    """Run one unit (in this process, or in a Ray worker). Imports nothing heavy until the unit needs it."""
+    from .pipeline import Build, make_plan
+    from .ui import UI
+
+    release = load_release(Path(release_path))
+    model = next(m for m in release.models if m.name == model_name)
+    plan = make_plan(build_request(release, model))
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    card = Build(plan, UI(quiet=True)).run_unit(kind, key)
+    return {"unit": kind, "key": key, "recommended": card.get("decision", {}).get("recommended")}
+
+
+# ----------------------------------------------------------------------------------------------- executors
+
+
+@dataclass
+class Outcome:
+    unit: Unit
+    status: str  # "done", "skipped (done earlier)", "failed", "not run: <dependency> failed"
+    reason: str = ""
+
+
+class LocalExecutor:
+    """Runs the units in order in this process."""
+
+    name = "local"
+
+    def run(self, release: Release, units: list[Unit], report: Callable[[Outcome], None]) -> list[Outcome]:
+        outcomes: dict[str, Outcome] = {}
+        for unit in units:
+            failed = [d for d in unit.depends if outcomes[d].status not in ("done", "skipped (done earlier)")]
+            if failed:
+                outcome = Outcome(unit, f"not run: {failed[0]} failed")
+            elif unit.done:
+                outcome = Outcome(unit, "skipped (done earlier)")
+            else:
+                try:
+                    run_unit(str(release.path), unit.model, unit.kind, unit.key)
+                    outcome = Outcome(unit, "done")
+                except QuantforgeError as exc:
+                    outcome = Outcome(unit, "failed", str(exc))
+                except Exception as exc:  # noqa: BLE001 - one model's crash must not stop the others
+                    outcome = Outcome(unit, "failed", _one_line(exc))
+            outcomes[unit.id] = outcome
+            report(outcome)
+        return list(outcomes.values())
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+class RayExecutor:
+    """Submits the units to a Ray cluster as tasks that declare resources, depend on each other's results and are
+    retried when a worker dies."""
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None, max_retries: int = 3):
+        self.address = address
+        self.max_retries = max_retries
+
+    def _connect(self):
+        if not self.address:
+            # A local cluster for this release only: keep every Ray process on loopback (by default Ray binds to
+            # the machine's network address and all interfaces).
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        import ray
+
+        if not ray.is_initialized():
+            if self.address:
+                ray.init(address=self.address, log_to_driver=False)
+            else:
+                ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+                         _node_ip_address="127.0.0.1")
+        return ray
+
+    def run(self, release: Release, units: list[Unit], report: Callable[[Outcome], None]) -> list[Outcome]:
+        ray = self._connect()
+
+        @ray.remote(max_retries=self.max_retries, retry_exceptions=False)
+        def remote_unit(release_path, model, kind, key, *dependencies):
+            return run_unit(release_path, model, kind, key)
+
+        refs, by_ref, outcomes = {}, {}, {}
+        for unit in units:
+            if unit.done:
+                outcomes[unit.id] = Outcome(unit, "skipped (done earlier)")
+                report(outcomes[unit.id])
+                continue
+            dependencies = [refs[d] for d in unit.depends if d in refs]
+            options = {"num_cpus": unit.resources["cpus"], "num_gpus": unit.resources["gpus"]}
+            if unit.resources.get("memory_bytes"):
+                options["memory"] = unit.resources["memory_bytes"]
+            ref = remote_unit.options(**options).remote(str(release.path), unit.model, unit.kind, unit.key,
+                                                        *dependencies)
+            refs[unit.id] = ref
+            by_ref[ref] = unit
+        pending = list(by_ref)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            unit = by_ref[ready[0]]
+            failed = [d for d in unit.depends if outcomes.get(d) and outcomes[d].status not in
+                      ("done", "skipped (done earlier)")]
+            try:
+                ray.get(ready[0])
+                outcome = Outcome(unit, "done")
+            except ray.exceptions.RayTaskError as exc:
+                cause = getattr(exc, "cause", None) or exc
+                reason = str(cause) if isinstance(cause, QuantforgeError) else _one_line(cause)
+                outcome = Outcome(unit, f"not run: {failed[0]} failed") if failed else Outcome(unit, "failed", reason)
+            except ray.exceptions.RayError as exc:  # the worker died more often than the task may be retried
+                outcome = Outcome(unit, "failed", _one_line(exc))
+            outcomes[unit.id] = outcome
+            report(outcome)
+        return [outcomes[u.id] for u in units]
+
+
+EXECUTORS = {"local": LocalExecutor, "ray": RayExecutor}
+
+
+def describe_failure(release: Release, outcome: Outcome) -> str:
+    model = next(m for m in release.models if m.name == outcome.unit.model)
+    return f"{outcome.unit.id}: {outcome.reason} (retry: {retry_command(build_request(release, model), outcome.unit.key)})"
+
