@@ -10,8 +10,20 @@ from pathlib import Path
 from .errors import QuantforgeError
 
 SAFETENSORS_DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2,
-    "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "U32": 4,
+    "I16": 2,
+    "U16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
 }
 MAX_HEADER = 100 * 1024 * 1024
 
@@ -29,7 +41,9 @@ def safetensors_header(path: Path) -> dict:
             raise QuantforgeError(f"{path} is not a safetensors file (shorter than its 8-byte header length)")
         (length,) = struct.unpack("<Q", prefix)
         if length > MAX_HEADER or 8 + length > size:
-            raise QuantforgeError(f"{path} is corrupted: its header length {length} does not fit the file ({size} bytes)")
+            raise QuantforgeError(
+                f"{path} is corrupted: its header length {length} does not fit the file ({size} bytes)"
+            )
         raw = handle.read(length)
     try:
         header = json.loads(raw)
@@ -52,7 +66,7 @@ def safetensors_header(path: Path) -> dict:
             raise QuantforgeError(f"{path} is corrupted: tensor {name!r} lies outside the file or has the wrong size")
         ranges.append((start, end))
     ranges.sort()
-    for (_, end), (start, _) in zip(ranges, ranges[1:]):
+    for (_, end), (start, _) in zip(ranges, ranges[1:], strict=False):
         if start < end:
             raise QuantforgeError(f"{path} is corrupted: tensors overlap")
     return header
@@ -95,8 +109,9 @@ def gguf_tensors(path: Path) -> list:
     except QuantforgeError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure to parse is a damaged file
-        raise QuantforgeError(f"{path} is a damaged or truncated GGUF file ({type(exc).__name__}); "
-                              "delete it and run the build again") from None
+        raise QuantforgeError(
+            f"{path} is a damaged or truncated GGUF file ({type(exc).__name__}); delete it and run the build again"
+        ) from None
     return tensors
 
 

@@ -18,7 +18,6 @@ card.json (schema ``quantforge.card/1``):
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from . import __version__
@@ -50,8 +49,13 @@ def _with_recovery(results: dict, reference: dict) -> tuple[dict, float | None]:
     for name, result in results.items():
         base = reference.get(name)
         recovery = 100.0 * result["value"] / base["value"] if base and base["value"] else None
-        tasks[name] = {"metric": result["metric"], "value": result["value"], "stderr": result["stderr"],
-                       "samples": result["samples"], "recovery_pct": recovery}
+        tasks[name] = {
+            "metric": result["metric"],
+            "value": result["value"],
+            "stderr": result["stderr"],
+            "samples": result["samples"],
+            "recovery_pct": recovery,
+        }
     recoveries = [t["recovery_pct"] for t in tasks.values() if t["recovery_pct"] is not None]
     complete = reference and len(recoveries) == len(reference)
     return tasks, (sum(recoveries) / len(recoveries) if recoveries and complete else None)
@@ -77,8 +81,19 @@ def _format_entries(manifest: Manifest) -> list[dict]:
             )
         if evaluated:
             result = evaluated["result"]
-            metrics = {k: result[k] for k in ("perplexity", "perplexity_stderr", "kld_mean", "kld_median", "kld_p99",
-                                              "top1_agreement", "tokens_scored") if k in result}
+            metrics = {
+                k: result[k]
+                for k in (
+                    "perplexity",
+                    "perplexity_stderr",
+                    "kld_mean",
+                    "kld_median",
+                    "kld_p99",
+                    "top1_agreement",
+                    "tokens_scored",
+                )
+                if k in result
+            }
             metrics["perplexity_increase_pct"] = 100.0 * (result["perplexity"] / reference["perplexity"] - 1.0)
             tasks, mean_recovery = _with_recovery(_task_results(manifest, key), reference_tasks)
             if tasks:
@@ -89,8 +104,9 @@ def _format_entries(manifest: Manifest) -> list[dict]:
                 if task["recovery_pct"] is not None:
                     metrics[f"task_recovery_pct[{name}]"] = task["recovery_pct"]
             entry["metrics"] = metrics
-            entry["how"] = {k: result.get(k) for k in ("runtime", "threads", "flash_attn", "eval_seconds",
-                                                        "eval_tokens_per_second")}
+            entry["how"] = {
+                k: result.get(k) for k in ("runtime", "threads", "flash_attn", "eval_seconds", "eval_tokens_per_second")
+            }
         speed = manifest.stage(f"speed/{key}")
         if speed:
             entry["speed"] = speed["result"]
@@ -133,8 +149,10 @@ def build_card(run_dir: Path, targets: Targets) -> dict:
     entries = _format_entries(manifest)
     if targets.runtime != "any" and not any(targets.runtime in e["runtimes"] for e in entries):
         served = sorted({r for e in entries for r in e["runtimes"]})
-        raise QuantforgeError(f"no format of this run runs in {targets.runtime} (its formats run in "
-                              f"{', '.join(served)}); build one that does or choose another --runtime")
+        raise QuantforgeError(
+            f"no format of this run runs in {targets.runtime} (its formats run in "
+            f"{', '.join(served)}); build one that does or choose another --runtime"
+        )
     config = manifest.stage("fetch")["result"]["config"]
     usable = _add_memory_fit(entries, config, targets)
     candidates = [
@@ -148,17 +166,25 @@ def build_card(run_dir: Path, targets: Targets) -> dict:
     return {
         "schema": CARD_SCHEMA,
         "model": manifest.stage("fetch")["result"] | {"parameters": plan.get("parameters")},
-        "evaluation": {**plan["eval_settings"], "requested_text": plan["eval_settings"]["text"],
-                       "text": manifest.stage("tokens")["result"]["text"], "convention": CONVENTION},
-        "reference": {**reference["result"], "tasks": _with_recovery(_task_results(manifest, "reference"), {})[0],
-                      "speed": (manifest.stage("speed/reference") or {}).get("result")},
+        "evaluation": {
+            **plan["eval_settings"],
+            "requested_text": plan["eval_settings"]["text"],
+            "text": manifest.stage("tokens")["result"]["text"],
+            "convention": CONVENTION,
+        },
+        "reference": {
+            **reference["result"],
+            "tasks": _with_recovery(_task_results(manifest, "reference"), {})[0],
+            "speed": (manifest.stage("speed/reference") or {}).get("result"),
+        },
         "host": (manifest.stage("host") or {}).get("result"),
         "calibration": (manifest.stage("calibration") or {}).get("result"),
         "formats": entries,
         "incomplete": [e["key"] for e in entries if not e["complete"]],
         "same_format": same_format_comparisons({"formats": entries}),
-        "pareto_front": pareto_front([(c.key, c.size_bytes, c.metrics["kld_mean"]) for c in candidates
-                                      if c.metrics.get("kld_mean") is not None]),
+        "pareto_front": pareto_front(
+            [(c.key, c.size_bytes, c.metrics["kld_mean"]) for c in candidates if c.metrics.get("kld_mean") is not None]
+        ),
         "targets": targets.to_json(),
         "decision": decision.to_json(),
         "provenance": {
@@ -166,8 +192,12 @@ def build_card(run_dir: Path, targets: Targets) -> dict:
             "command": plan.get("command"),
             "run_dir": str(run_dir),
             "stages": {
-                key: {"seconds": s.get("seconds"), "input_digest": s.get("input_digest"), "started": s.get("started"),
-                      "host": s.get("host")}
+                key: {
+                    "seconds": s.get("seconds"),
+                    "input_digest": s.get("input_digest"),
+                    "started": s.get("started"),
+                    "host": s.get("host"),
+                }
                 for key, s in manifest.stages.items()
             },
         },
@@ -187,17 +217,23 @@ def same_format_comparisons(card: dict) -> list[dict]:
     complete = [e for e in card["formats"] if e.get("complete") and e["metrics"].get("kld_mean") is not None]
     pairs = []
     for index, first in enumerate(complete):
-        for second in complete[index + 1:]:
+        for second in complete[index + 1 :]:
             if first["format"] != second["format"]:
                 continue
             better, worse = sorted((first, second), key=lambda e: e["metrics"]["kld_mean"])
-            pairs.append({
-                "format": first["format"], "better": better["key"], "worse": worse["key"],
-                "size_ratio": better["size_bytes"] / worse["size_bytes"],
-                "kld_ratio": better["metrics"]["kld_mean"] / worse["metrics"]["kld_mean"],
-                "ppl_increase_pct": [better["metrics"]["perplexity_increase_pct"],
-                                     worse["metrics"]["perplexity_increase_pct"]],
-            })
+            pairs.append(
+                {
+                    "format": first["format"],
+                    "better": better["key"],
+                    "worse": worse["key"],
+                    "size_ratio": better["size_bytes"] / worse["size_bytes"],
+                    "kld_ratio": better["metrics"]["kld_mean"] / worse["metrics"]["kld_mean"],
+                    "ppl_increase_pct": [
+                        better["metrics"]["perplexity_increase_pct"],
+                        worse["metrics"]["perplexity_increase_pct"],
+                    ],
+                }
+            )
     return pairs
 
 
@@ -218,9 +254,13 @@ def _tasks_table(card: dict) -> list[str]:
     if not reference:
         return []
     names = list(reference)
-    lines = ["", "## Task accuracy (lm-evaluation-harness)", "",
-             "| format | " + " | ".join(f"{n} ({reference[n]['metric']})" for n in names) + " | mean recovery |",
-             "|---|" + "---|" * (len(names) + 1)]
+    lines = [
+        "",
+        "## Task accuracy (lm-evaluation-harness)",
+        "",
+        "| format | " + " | ".join(f"{n} ({reference[n]['metric']})" for n in names) + " | mean recovery |",
+        "|---|" + "---|" * (len(names) + 1),
+    ]
 
     def cell(task):
         if not task:
@@ -233,12 +273,17 @@ def _tasks_table(card: dict) -> list[str]:
     for entry in card["formats"]:
         tasks = entry.get("tasks") or {}
         mean = (entry.get("metrics") or {}).get("task_recovery_pct")
-        lines.append(f"| {entry['key']} | " + " | ".join(cell(tasks.get(n)) for n in names) +
-                     f" | {'n/a' if mean is None else f'{mean:.1f}%'} |")
+        lines.append(
+            f"| {entry['key']} | "
+            + " | ".join(cell(tasks.get(n)) for n in names)
+            + f" | {'n/a' if mean is None else f'{mean:.1f}%'} |"
+        )
     samples = {reference[n]["samples"] for n in names}
     lines.append("")
-    lines.append(f"Samples per task: {', '.join(str(x) for x in sorted(samples, key=str))}; recovery = format / "
-                 "reference on the same examples. Every format scored in its own runtime through one lm-eval adapter.")
+    lines.append(
+        f"Samples per task: {', '.join(str(x) for x in sorted(samples, key=str))}; recovery = format / "
+        "reference on the same examples. Every format scored in its own runtime through one lm-eval adapter."
+    )
     return lines
 
 
@@ -248,12 +293,18 @@ def _speed_table(card: dict) -> list[str]:
     if not rows:
         return []
     first = rows[0][1]
-    lines = ["", "## Decode speed (this host) and the memory-bandwidth roofline", "",
-             f"Prompt {first['prompt_tokens']} tokens, {first['gen_tokens']} generated greedily, median of "
-             f"{first['runs']} runs after a warm-up, {first['threads']} threads; host bandwidth "
-             f"{first['host_bandwidth_gbs']:.1f} GB/s (measured). GPU bounds are computed, not measured.", "",
-             "| format | runtime | prompt tok/s | decode tok/s | TTFT s | TPOT ms | peak MB | host bound tok/s | "
-             "of bound | H100 bound tok/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "## Decode speed (this host) and the memory-bandwidth roofline",
+        "",
+        f"Prompt {first['prompt_tokens']} tokens, {first['gen_tokens']} generated greedily, median of "
+        f"{first['runs']} runs after a warm-up, {first['threads']} threads; host bandwidth "
+        f"{first['host_bandwidth_gbs']:.1f} GB/s (measured). GPU bounds are computed, not measured.",
+        "",
+        "| format | runtime | prompt tok/s | decode tok/s | TTFT s | TPOT ms | peak MB | host bound tok/s | "
+        "of bound | H100 bound tok/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for key, speed in rows:
         bound = speed["host_decode_tps_bound"]
         h100 = speed["gpus"]["H100"]["decode_tps_bound"]
@@ -265,7 +316,9 @@ def _speed_table(card: dict) -> list[str]:
             f"{speed['ttft_s']:.3f} | {1000 * speed['tpot_s']:.1f} | {speed['peak_rss_mb']:.0f} | {bound:.0f} | "
             f"{100 * speed['fraction_of_roofline']:.0f}% | {h100:.0f} |"
         )
-    lines += [""] + [f"- {key}: not measured here: {speed['reason']}." for key, speed in rows if not speed.get("measured")]
+    lines += [""] + [
+        f"- {key}: not measured here: {speed['reason']}." for key, speed in rows if not speed.get("measured")
+    ]
     return lines
 
 
@@ -277,12 +330,18 @@ def _fit_table(card: dict) -> list[str]:
         return []
     targets = card["targets"]
     gpus = list(fitted[0]["memory_fit"])
-    lines = ["", f"## Memory fit at {targets['context']} tokens x {targets['concurrency']} sequence(s)", "",
-             f"Weights (artifact tensor bytes) + fp16 KV cache "
-             f"({fitted[0]['memory_fit'][gpus[0]]['kv_bytes_per_token']:,} bytes per token) must fit in "
-             f"{GPU_UTILIZATION:.0%} of the GPU's memory less {RUNTIME_OVERHEAD_GB:g} GB for activations and the "
-             "runtime. Each cell: fits or not, and the largest context that fits.", "",
-             "| format | " + " | ".join(gpus) + " |", "|---|" + "---|" * len(gpus)]
+    lines = [
+        "",
+        f"## Memory fit at {targets['context']} tokens x {targets['concurrency']} sequence(s)",
+        "",
+        f"Weights (artifact tensor bytes) + fp16 KV cache "
+        f"({fitted[0]['memory_fit'][gpus[0]]['kv_bytes_per_token']:,} bytes per token) must fit in "
+        f"{GPU_UTILIZATION:.0%} of the GPU's memory less {RUNTIME_OVERHEAD_GB:g} GB for activations and the "
+        "runtime. Each cell: fits or not, and the largest context that fits.",
+        "",
+        "| format | " + " | ".join(gpus) + " |",
+        "|---|" + "---|" * len(gpus),
+    ]
     for entry in fitted:
         cells = []
         for gpu in gpus:
@@ -346,24 +405,31 @@ def render_markdown(card: dict) -> str:
         "",
         f"- Text: {text.get('name')} ({text.get('source')}; sha256 {str(text.get('sha256'))[:12]}), "
         f"{ev.get('windows')} windows of {ev.get('context')} tokens, {ref.get('tokens_scored')} tokens scored.",
-        *([f"- The text was asked as 'auto': WikiText-2 was neither cached nor reachable, so the offline fallback "
-           f"(Python's pydoc topics) was used; perplexities are not comparable with WikiText-2 figures."]
-          if ev.get("requested_text") == "auto" and text.get("name") == "pydoc" else []),
+        *(
+            [
+                "- The text was asked as 'auto': WikiText-2 was neither cached nor reachable, so the offline fallback "
+                "(Python's pydoc topics) was used; perplexities are not comparable with WikiText-2 figures."
+            ]
+            if ev.get("requested_text") == "auto" and text.get("name") == "pydoc"
+            else []
+        ),
         f"- {ev['convention']}. llama.cpp's llama-perplexity scores only the second half of each window: its "
         "figures are not comparable with these.",
         "- KL divergence (reference || artifact) per token: exact over the reference's 64 most likely tokens, plus "
         "an unbiased estimate over the rest from 64 tokens drawn from it (fixed seed).",
-        "- Every artifact was loaded from disk: GGUF files in llama.cpp (flash attention off, OMP_WAIT_POLICY=PASSIVE), "
-        "HF-folder formats (GPTQ, AWQ, INT8) dequantized in torch with their runtime activation quantization "
-        "simulated; the reference is the float model in transformers.",
-        f"- Bits per weight: tensor bytes in the artifact x 8 / parameters of the unquantized model.",
+        "- Every artifact was loaded from disk: GGUF files in llama.cpp (flash attention off, "
+        "OMP_WAIT_POLICY=PASSIVE), HF-folder formats (GPTQ, AWQ, INT8) dequantized in torch with their runtime "
+        "activation quantization simulated; the reference is the float model in transformers.",
+        "- Bits per weight: tensor bytes in the artifact x 8 / parameters of the unquantized model.",
         f"- Targets: {', '.join(f'{k}={v}' for k, v in targets.items())}.",
     ]
     calibration = card.get("calibration")
     if calibration:
         text = calibration["text"]
-        lines.append(f"- Calibration (shared by every calibrating format): {text['name']} ({text['source']}), "
-                     f"{calibration['samples']} sequences of {calibration['seqlen']} tokens, seed {calibration['seed']}.")
+        lines.append(
+            f"- Calibration (shared by every calibrating format): {text['name']} ({text['source']}), "
+            f"{calibration['samples']} sequences of {calibration['seqlen']} tokens, seed {calibration['seed']}."
+        )
     for entry in card["formats"]:
         quantize = entry.get("quantize") or {}
         if quantize.get("group_size_note"):
@@ -395,5 +461,3 @@ def write_card(run_dir: Path, targets: Targets) -> dict:
     write_deployment_files(run_dir, card)
     atomic_write_json(run_dir / "card.json", card)  # last: its presence means the whole card was written
     return card
-
-

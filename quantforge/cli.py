@@ -75,10 +75,18 @@ def target_overrides(**values) -> dict:
     return {key: value for key, value in values.items() if value is not None}
 
 
-DISK_ERRORS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
-               errno.EROFS: "read-only file system", errno.EACCES: "permission denied"}
-DISK_ADVICE = {errno.ENOSPC: "free space or choose another --out", errno.EDQUOT: "free space or choose another --out",
-               errno.EROFS: "choose a writable --out", errno.EACCES: "choose a writable --out"}
+DISK_ERRORS = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+}
+DISK_ADVICE = {
+    errno.ENOSPC: "free space or choose another --out",
+    errno.EDQUOT: "free space or choose another --out",
+    errno.EROFS: "choose a writable --out",
+    errno.EACCES: "choose a writable --out",
+}
 
 
 class QuantforgeGroup(click.Group):
@@ -97,8 +105,11 @@ class QuantforgeGroup(click.Group):
             if exc.errno not in DISK_ERRORS:
                 raise
             where = f" writing {exc.filename}" if exc.filename else ""
-            click.echo(f"error: {DISK_ERRORS[exc.errno]}{where}; {DISK_ADVICE[exc.errno]} "
-                       "(finished stages are kept; the same command resumes)", err=True)
+            click.echo(
+                f"error: {DISK_ERRORS[exc.errno]}{where}; {DISK_ADVICE[exc.errno]} "
+                "(finished stages are kept; the same command resumes)",
+                err=True,
+            )
             ctx.exit(2)
 
 
@@ -111,54 +122,115 @@ def main() -> None:
 
 @main.command()
 @click.argument("model", required=False)
-@click.option("--formats", help="Comma-separated formats (see 'quantforge formats'). Default: the recipe's, or "
-              "gguf-q8_0,gguf-q5km,gguf-q4km.")
+@click.option(
+    "--formats",
+    help="Comma-separated formats (see 'quantforge formats'). Default: the recipe's, or gguf-q8_0,gguf-q5km,gguf-q4km.",
+)
 @click.option("--backend", "backends", help="Comma-separated backends, where more than one can make a format.")
 @click.option("--out", type=click.Path(path_type=Path), help="Run directory. Default: runs/<model name>.")
 @click.option("--recipe", "recipe_file", type=click.Path(path_type=Path), help="A recipe YAML file.")
 @click.option("--force", is_flag=True, help="Redo every stage, even those finished with the same inputs.")
-@click.option("--eval-text", help="Perplexity text: a name (wikitext2, pydoc; 'auto' = wikitext2 if it can be "
-              "had, else pydoc) or a local .txt/.jsonl file.")
+@click.option(
+    "--eval-text",
+    help="Perplexity text: a name (wikitext2, pydoc; 'auto' = wikitext2 if it can be "
+    "had, else pydoc) or a local .txt/.jsonl file.",
+)
 @click.option("--ppl-context", type=int, help="Tokens per perplexity window (default 512).")
 @click.option("--ppl-windows", type=int, help="Number of perplexity windows (default 16).")
 @target_options
 @click.option("--threads", type=int, help="CPU threads for quantization and evaluation (default: all cores).")
-@click.option("--tasks", "task_names", help="Comma-separated lm-eval tasks (arc_easy, hellaswag, piqa, winogrande, "
-              "lambada; all five when only --tasks-data is given).")
+@click.option(
+    "--tasks",
+    "task_names",
+    help="Comma-separated lm-eval tasks (arc_easy, hellaswag, piqa, winogrande, "
+    "lambada; all five when only --tasks-data is given).",
+)
 @click.option("--tasks-data", type=click.Path(path_type=Path), help="Folder holding the tasks' data files.")
 @click.option("--limit", type=int, help="Examples per task (default: all).")
 @click.option("--speed/--no-speed", default=True, help="Run the decode-speed probe (default on).")
 @click.option("--prompt-tokens", type=int, default=128, show_default=True, help="Speed probe prompt length.")
 @click.option("--gen-tokens", type=int, default=64, show_default=True, help="Speed probe generated tokens.")
-@click.option("--calibration", help="Calibration set: a name (c4, wikitext2-train, pile-val, stdlib-docstrings; "
-              "'auto' = c4 if it can be had, else stdlib-docstrings) or a local .txt/.jsonl file.")
+@click.option(
+    "--calibration",
+    help="Calibration set: a name (c4, wikitext2-train, pile-val, stdlib-docstrings; "
+    "'auto' = c4 if it can be had, else stdlib-docstrings) or a local .txt/.jsonl file.",
+)
 @click.option("--calib-samples", type=int, help="Calibration sequences (default 128).")
 @click.option("--calib-seqlen", type=int, help="Tokens per calibration sequence (default 512).")
-@click.option("--group-size", help="Quantization group size for GPTQ/AWQ (default 128), or 'auto': the largest "
-              "of 128/64/32/16 that divides every layer width.")
+@click.option(
+    "--group-size",
+    help="Quantization group size for GPTQ/AWQ (default 128), or 'auto': the largest "
+    "of 128/64/32/16 that divides every layer width.",
+)
 @click.option("--act-order/--no-act-order", default=None, help="GPTQ activation order (desc_act); default off.")
-@click.option("--layer-resume", is_flag=True, default=None, help="Let GPTQModel resume a killed quantization at the "
-              "layer where it stopped (llama models); faster, but the bytes then differ from an uninterrupted run.")
+@click.option(
+    "--layer-resume",
+    is_flag=True,
+    default=None,
+    help="Let GPTQModel resume a killed quantization at the "
+    "layer where it stopped (llama models); faster, but the bytes then differ from an uninterrupted run.",
+)
 @click.option("--allow-pickle", is_flag=True, help="Allow pickle (.bin) weights, which can run code when loaded.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model repo's own Python code to run.")
 @click.option("--json", "as_json", is_flag=True, help="Print the card as JSON on stdout.")
-def build(model, formats, backends, out, recipe_file, force, eval_text, ppl_context, ppl_windows, threads, task_names, tasks_data, limit, speed, prompt_tokens, gen_tokens,
-          calibration, calib_samples, calib_seqlen, group_size, act_order, layer_resume, allow_pickle,
-          trust_remote_code, as_json,
-          **targets):
+def build(
+    model,
+    formats,
+    backends,
+    out,
+    recipe_file,
+    force,
+    eval_text,
+    ppl_context,
+    ppl_windows,
+    threads,
+    task_names,
+    tasks_data,
+    limit,
+    speed,
+    prompt_tokens,
+    gen_tokens,
+    calibration,
+    calib_samples,
+    calib_seqlen,
+    group_size,
+    act_order,
+    layer_resume,
+    allow_pickle,
+    trust_remote_code,
+    as_json,
+    **targets,
+):
     """Fetch MODEL (a recipe, Hub id, local folder or bundled model), quantize, evaluate, write the card."""
     from .pipeline import BuildRequest
     from .pipeline import build as run_build
     from .ui import UI
 
     request = BuildRequest(
-        model=model, formats=_split(formats), backends=_split(backends), out=out, recipe_file=recipe_file,
-        force=force, eval_text=eval_text, ppl_context=ppl_context, ppl_windows=ppl_windows,
-        targets=target_overrides(**targets), threads=threads,
-        tasks=_split(task_names), tasks_data=tasks_data, limit=limit, speed=speed, prompt_tokens=prompt_tokens,
+        model=model,
+        formats=_split(formats),
+        backends=_split(backends),
+        out=out,
+        recipe_file=recipe_file,
+        force=force,
+        eval_text=eval_text,
+        ppl_context=ppl_context,
+        ppl_windows=ppl_windows,
+        targets=target_overrides(**targets),
+        threads=threads,
+        tasks=_split(task_names),
+        tasks_data=tasks_data,
+        limit=limit,
+        speed=speed,
+        prompt_tokens=prompt_tokens,
         gen_tokens=gen_tokens,
-        calibration=calibration, calib_samples=calib_samples, calib_seqlen=calib_seqlen, group_size=group_size,
-        act_order=act_order, layer_resume=layer_resume, allow_pickle=allow_pickle,
+        calibration=calibration,
+        calib_samples=calib_samples,
+        calib_seqlen=calib_seqlen,
+        group_size=group_size,
+        act_order=act_order,
+        layer_resume=layer_resume,
+        allow_pickle=allow_pickle,
         trust_remote_code=trust_remote_code,
         command="quantforge " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
     )
@@ -194,19 +266,28 @@ def formats(as_json):
     for backend_name, backend in backends.items():
         reason = backend.unavailable_reason()
         for name, fmt in backend.formats.items():
-            rows.append({
-                "format": name, "backend": backend_name, "default": default_backend_name(name, backends) == backend_name,
-                "scheme": fmt.scheme, "family": fmt.family, "runtimes": list(fmt.runtimes),
-                "available": reason is None, "reason": reason,
-            })
+            rows.append(
+                {
+                    "format": name,
+                    "backend": backend_name,
+                    "default": default_backend_name(name, backends) == backend_name,
+                    "scheme": fmt.scheme,
+                    "family": fmt.family,
+                    "runtimes": list(fmt.runtimes),
+                    "available": reason is None,
+                    "reason": reason,
+                }
+            )
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
     for row in rows:
         state = "ready" if row["available"] else f"unavailable: {row['reason']}"
         default = "" if row["default"] else " (alternative backend)"
-        click.echo(f"{row['format']:<11} {row['backend']:<14} {row['scheme']:<32} "
-                   f"{'/'.join(row['runtimes']):<22} {state}{default}")
+        click.echo(
+            f"{row['format']:<11} {row['backend']:<14} {row['scheme']:<32} "
+            f"{'/'.join(row['runtimes']):<22} {state}{default}"
+        )
 
 
 @main.command()
@@ -228,10 +309,16 @@ def card(run_dir, as_json, **targets):
 
 @main.command()
 @click.argument("release_file", type=click.Path(path_type=Path))
-@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
-              help="local: in this process, in order; ray: tasks on a Ray cluster.")
-@click.option("--address", help="Ray cluster address (e.g. ray://head:10001 or 127.0.0.1:6379); default: start a "
-              "local cluster.")
+@click.option(
+    "--executor",
+    type=click.Choice(["local", "ray"]),
+    default="local",
+    show_default=True,
+    help="local: in this process, in order; ray: tasks on a Ray cluster.",
+)
+@click.option(
+    "--address", help="Ray cluster address (e.g. ray://head:10001 or 127.0.0.1:6379); default: start a local cluster."
+)
 @click.option("--dry-run", is_flag=True, help="Print the plan (every unit, its resources, what is done) and stop.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan or the outcome as JSON.")
 def release(release_file, executor, address, dry_run, as_json):
@@ -252,7 +339,8 @@ def release(release_file, executor, address, dry_run, as_json):
         for unit in units:
             memory = unit.resources.get("memory_bytes")
             needs = f"cpus={unit.resources['cpus']} gpus={unit.resources['gpus']}" + (
-                f" memory~{memory / 1e9:.1f}GB" if memory else "")
+                f" memory~{memory / 1e9:.1f}GB" if memory else ""
+            )
             after = f" after {', '.join(unit.depends)}" if unit.depends else ""
             click.echo(f"  {'done   ' if unit.done else 'pending'} {unit.id:<40} {needs}{after}")
         return
@@ -271,8 +359,15 @@ def release(release_file, executor, address, dry_run, as_json):
     failed = [o for o in outcomes if o.status == "failed"]
     blocked = [o for o in outcomes if o.status.startswith("not run")]
     if as_json:
-        click.echo(json.dumps({"release": spec.name, "outcomes": [
-            {"unit": o.unit.id, "status": o.status, "reason": o.reason} for o in outcomes]}, indent=2))
+        click.echo(
+            json.dumps(
+                {
+                    "release": spec.name,
+                    "outcomes": [{"unit": o.unit.id, "status": o.status, "reason": o.reason} for o in outcomes],
+                },
+                indent=2,
+            )
+        )
     for model in spec.models:
         card = spec.out / model.name / "card.json"
         if card.exists() and not any(o.unit.model == model.name for o in failed + blocked):

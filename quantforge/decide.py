@@ -191,6 +191,7 @@ def decide(candidates: list[Candidate], targets: Targets, usable_gpu_gb: float |
         ranked.append(Verdict(candidate.key, "misses targets", "; ".join(reasons), checks))
     closest = None
     if recommended is None and ranked:
+
         def worst_miss(verdict: Verdict) -> float:
             return max((_miss_ratio(c, by_name[c["target"]]) for c in verdict.checks), default=0.0)
 
@@ -206,7 +207,7 @@ def pareto_front(points: list[tuple[str, float, float]]) -> list[str]:
     """Keys of the points (key, size, loss) that no other point beats on both size and loss."""
     front = []
     for key, size, loss in points:
-        dominated = any(s <= size and l <= loss and (s, l) != (size, loss) for _, s, l in points)
+        dominated = any(s <= size and other <= loss and (s, other) != (size, loss) for _, s, other in points)
         if not dominated:
             front.append(key)
     return front

@@ -56,9 +56,15 @@ def memory_fit(weight_bytes: int, config: dict, gpu: GPU, context: int, concurre
     largest_context = int(left_for_kv // (per_token * concurrency)) if left_for_kv > 0 else 0
     max_positions = config.get("max_position_embeddings")
     return {
-        "gpu": gpu.name, "gpu_memory_gb": gpu.memory_gb, "context": context, "concurrency": concurrency,
-        "weights_gb": weight_bytes / 1e9, "kv_cache_gb": per_token * context * concurrency / 1e9,
-        "needed_gb": needed / 1e9, "usable_gb": usable / 1e9, "fits": needed <= usable,
+        "gpu": gpu.name,
+        "gpu_memory_gb": gpu.memory_gb,
+        "context": context,
+        "concurrency": concurrency,
+        "weights_gb": weight_bytes / 1e9,
+        "kv_cache_gb": per_token * context * concurrency / 1e9,
+        "needed_gb": needed / 1e9,
+        "usable_gb": usable / 1e9,
+        "fits": needed <= usable,
         "largest_context": min(largest_context, max_positions) if max_positions else largest_context,
         "kv_bytes_per_token": per_token,
     }
@@ -71,8 +77,10 @@ VLLM_QUANTIZATION = {"gptq": "gptq", "awq": "awq", "compressed-tensors": "compre
 
 def vllm_command(folder_name: str, quant_method: str, max_model_len: int) -> str:
     quantization = VLLM_QUANTIZATION.get(quant_method, quant_method)
-    return (f"vllm serve ./{folder_name} --quantization {quantization} --max-model-len {max_model_len} "
-            f"--gpu-memory-utilization {GPU_UTILIZATION}")
+    return (
+        f"vllm serve ./{folder_name} --quantization {quantization} --max-model-len {max_model_len} "
+        f"--gpu-memory-utilization {GPU_UTILIZATION}"
+    )
 
 
 def llama_cpp_command(gguf_name: str, context: int) -> str:
@@ -88,12 +96,13 @@ def _render(template: str, messages: list[dict], add_generation_prompt: bool, sp
     import jinja2
 
     environment = jinja2.Environment(trim_blocks=False, lstrip_blocks=False)
-    return environment.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                   **special)
+    return environment.from_string(template).render(
+        messages=messages, add_generation_prompt=add_generation_prompt, **special
+    )
 
 
 def _between(text: str, start: str, end: str) -> str:
-    return text[text.index(start) + len(start): text.index(end)]
+    return text[text.index(start) + len(start) : text.index(end)]
 
 
 def chat_template_to_ollama(template: str, special: dict) -> tuple[str, list[str]]:
@@ -105,19 +114,31 @@ def chat_template_to_ollama(template: str, special: dict) -> tuple[str, list[str
     """
     s, u, a = MARK.format("S"), MARK.format("U"), MARK.format("A")
     u2 = MARK.format("U2")
-    full = _render(template, [{"role": "system", "content": s}, {"role": "user", "content": u},
-                              {"role": "assistant", "content": a}, {"role": "user", "content": u2}], True, special)
+    full = _render(
+        template,
+        [
+            {"role": "system", "content": s},
+            {"role": "user", "content": u},
+            {"role": "assistant", "content": a},
+            {"role": "user", "content": u2},
+        ],
+        True,
+        special,
+    )
     try:
         system_prefix = full[: full.index(s)]
         system_suffix, user_prefix = _split_gap(_between(full, s, u), full, s, u, template, special)
         user_suffix, assistant_prefix = _split_gap(_between(full, u, a), full, u, a, template, special)
         assistant_suffix = _between(full, a, u2)[: -len(user_prefix)] if user_prefix else _between(full, a, u2)
-        generation = full[full.index(u2) + len(u2) + len(user_suffix):]
+        generation = full[full.index(u2) + len(u2) + len(user_suffix) :]
     except ValueError:
-        raise QuantforgeError("this chat template does not wrap messages in a fixed way per role; write the "
-                              "Ollama TEMPLATE by hand") from None
+        raise QuantforgeError(
+            "this chat template does not wrap messages in a fixed way per role; write the Ollama TEMPLATE by hand"
+        ) from None
     no_system = _render(template, [{"role": "user", "content": u}], True, special)
-    default_system = no_system[: no_system.index(u)][: -len(user_prefix)] if user_prefix else no_system[:no_system.index(u)]
+    default_system = (
+        no_system[: no_system.index(u)][: -len(user_prefix)] if user_prefix else no_system[: no_system.index(u)]
+    )
 
     def literal(text: str) -> str:
         if "{{" in text or "}}" in text:
@@ -126,16 +147,21 @@ def chat_template_to_ollama(template: str, special: dict) -> tuple[str, list[str
 
     parts = []
     if default_system:
-        parts.append('{{ if or (not .Messages) (ne (index .Messages 0).Role "system") }}'
-                     f"{literal(default_system)}{{{{ end }}}}")
+        parts.append(
+            '{{ if or (not .Messages) (ne (index .Messages 0).Role "system") }}'
+            f"{literal(default_system)}{{{{ end }}}}"
+        )
     parts.append("{{ range .Messages }}")
     parts.append(f'{{{{ if eq .Role "system" }}}}{literal(system_prefix)}{{{{ .Content }}}}{literal(system_suffix)}')
     parts.append(f'{{{{ else if eq .Role "user" }}}}{literal(user_prefix)}{{{{ .Content }}}}{literal(user_suffix)}')
-    parts.append(f'{{{{ else if eq .Role "assistant" }}}}{literal(assistant_prefix)}{{{{ .Content }}}}'
-                 f"{literal(assistant_suffix)}")
+    parts.append(
+        f'{{{{ else if eq .Role "assistant" }}}}{literal(assistant_prefix)}{{{{ .Content }}}}'
+        f"{literal(assistant_suffix)}"
+    )
     parts.append("{{ end }}{{ end }}" + literal(generation))
-    stops = sorted({piece.strip() for piece in (user_suffix, assistant_suffix, special.get("eos_token") or "")
-                    if piece.strip()})
+    stops = sorted(
+        {piece.strip() for piece in (user_suffix, assistant_suffix, special.get("eos_token") or "") if piece.strip()}
+    )
     return "".join(parts), stops
 
 
@@ -147,10 +173,10 @@ def _split_gap(gap: str, full: str, left: str, right: str, template: str, specia
     role_of = {MARK.format("S"): "system", MARK.format("U"): "user"}
     messages = [{"role": role_of[left], "content": left}]
     ended = _render(template, messages, False, special)
-    suffix = ended[ended.index(left) + len(left):]
+    suffix = ended[ended.index(left) + len(left) :]
     if not gap.startswith(suffix):
         raise ValueError
-    return suffix, gap[len(suffix):]
+    return suffix, gap[len(suffix) :]
 
 
 def modelfile(gguf_name: str, template: str, stops: list[str], context: int) -> str:
@@ -190,11 +216,14 @@ def _front_matter(values: dict) -> str:
 def _evaluation_rows(card: dict, entry: dict) -> list[str]:
     reference = card["reference"]
     metrics = entry["metrics"]
-    rows = ["| metric | reference | this model |", "|---|---|---|",
-            f"| perplexity ({card['evaluation']['text']['name']}, {card['evaluation']['context']} tokens) | "
-            f"{reference['perplexity']:.3f} | {metrics['perplexity']:.3f} ({metrics['perplexity_increase_pct']:+.2f}%) |",
-            f"| mean KL divergence | 0 | {metrics['kld_mean']:.4f} |",
-            f"| top-1 agreement | 1 | {metrics['top1_agreement']:.3f} |"]
+    rows = [
+        "| metric | reference | this model |",
+        "|---|---|---|",
+        f"| perplexity ({card['evaluation']['text']['name']}, {card['evaluation']['context']} tokens) | "
+        f"{reference['perplexity']:.3f} | {metrics['perplexity']:.3f} ({metrics['perplexity_increase_pct']:+.2f}%) |",
+        f"| mean KL divergence | 0 | {metrics['kld_mean']:.4f} |",
+        f"| top-1 agreement | 1 | {metrics['top1_agreement']:.3f} |",
+    ]
     for name, task in (entry.get("tasks") or {}).items():
         base = reference["tasks"][name]["value"]
         rows.append(f"| {name} ({task['metric']}, {task['samples']} examples) | {base:.3f} | {task['value']:.3f} |")
@@ -254,8 +283,9 @@ def write_deployment_files(run_dir: Path, card: dict) -> None:
             if template:
                 try:
                     go_template, stops = chat_template_to_ollama(template, special)
-                    atomic_write_text(folder / "Modelfile", modelfile(gguf_name, go_template, stops,
-                                                                      targets["context"]))
+                    atomic_write_text(
+                        folder / "Modelfile", modelfile(gguf_name, go_template, stops, targets["context"])
+                    )
                     usage.append(f"ollama create {card['model']['name']}-{entry['format']} -f Modelfile")
                 except QuantforgeError as exc:
                     usage.append(f"# no Modelfile: {exc}")
@@ -265,8 +295,15 @@ def write_deployment_files(run_dir: Path, card: dict) -> None:
             entry = {**entry, "quant_method": quant.get("quant_method")}
             fit = next(iter(entry.get("memory_fit", {}).values()), None) if targets.get("gpu") else None
             max_len = fit["largest_context"] if fit and fit["largest_context"] else targets["context"]
-            usage = ["```bash", vllm_command(folder.name, quant.get("quant_method"), max_len), "```", "", "```python",
-                     "from transformers import AutoModelForCausalLM, AutoTokenizer",
-                     f'model = AutoModelForCausalLM.from_pretrained("./{folder.name}", device_map="auto")',
-                     f'tokenizer = AutoTokenizer.from_pretrained("./{folder.name}")', "```"]
+            usage = [
+                "```bash",
+                vllm_command(folder.name, quant.get("quant_method"), max_len),
+                "```",
+                "",
+                "```python",
+                "from transformers import AutoModelForCausalLM, AutoTokenizer",
+                f'model = AutoModelForCausalLM.from_pretrained("./{folder.name}", device_map="auto")',
+                f'tokenizer = AutoTokenizer.from_pretrained("./{folder.name}")',
+                "```",
+            ]
         atomic_write_text(folder / "README.md", model_card(card, entry, usage))

@@ -100,8 +100,9 @@ def _sample_tail(probs: np.ndarray, rng: np.random.Generator, samples: int) -> n
     return np.clip(ids, 0, probs.shape[1] - 1)
 
 
-def reference_window(logits: np.ndarray, tokens: np.ndarray, seed: int = 0, top_k: int = TOP_K,
-                     tail_samples: int = TAIL_SAMPLES) -> ReferenceWindow:
+def reference_window(
+    logits: np.ndarray, tokens: np.ndarray, seed: int = 0, top_k: int = TOP_K, tail_samples: int = TAIL_SAMPLES
+) -> ReferenceWindow:
     rng = np.random.default_rng(seed)
     parts: dict[str, list] = {k: [] for k in ("nll", "top_ids", "top_logp", "tail_ids", "tail_logp", "tail_mass")}
     for logp, targets in _row_chunks(logits, tokens):
@@ -187,8 +188,9 @@ class WindowProgress:
         if path is not None and path.exists():
             data = np.load(path)
             count = int(data["count"]) if "count" in data else 0
-            self.windows = [{key.split(":", 1)[1]: data[key] for key in data.files if key.startswith(f"{i}:")}
-                            for i in range(count)]
+            self.windows = [
+                {key.split(":", 1)[1]: data[key] for key in data.files if key.startswith(f"{i}:")} for i in range(count)
+            ]
 
     def add(self, result: dict[str, np.ndarray]) -> None:
         self.windows.append(result)
@@ -208,12 +210,17 @@ class WindowProgress:
 def _timing(seconds: float, windows: np.ndarray, resumed: int) -> dict:
     """Time and throughput of the windows computed in this process (not those resumed from a killed run)."""
     computed = (len(windows) - resumed) * windows.shape[1]
-    return {"eval_seconds": round(seconds, 3), "resumed_windows": resumed,
-            "eval_tokens_per_second": round(computed / seconds, 1) if seconds and computed else None}
+    return {
+        "eval_seconds": round(seconds, 3),
+        "resumed_windows": resumed,
+        "eval_tokens_per_second": round(computed / seconds, 1) if seconds and computed else None,
+    }
 
 
 def score_reference(
-    logits_fn: Callable[[np.ndarray], np.ndarray], windows: np.ndarray, on_window: Callable[[int], None] | None = None,
+    logits_fn: Callable[[np.ndarray], np.ndarray],
+    windows: np.ndarray,
+    on_window: Callable[[int], None] | None = None,
     progress_path: Path | None = None,
 ) -> tuple[list[ReferenceWindow], dict]:
     started = time.perf_counter()

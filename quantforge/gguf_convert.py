@@ -53,11 +53,7 @@ def architecture_problem(config: dict) -> str | None:
 def _permute_rope_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
     """Reorder each head's rows from [first halves | second halves] to interleaved pairs."""
     rows = weight.shape[0]
-    return (
-        weight.reshape(n_head, 2, rows // n_head // 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
+    return weight.reshape(n_head, 2, rows // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def _read_tensors(folder: Path) -> Iterator[tuple[str, np.ndarray]]:
@@ -86,9 +82,7 @@ def _pre_tokenizer_name(tokenizer_json: dict, gguf_arch: str) -> str:
     pre = tokenizer_json.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
     kinds = [step.get("type") for step in steps]
-    split_patterns = [
-        (step.get("pattern") or {}).get("Regex", "") for step in steps if step.get("type") == "Split"
-    ]
+    split_patterns = [(step.get("pattern") or {}).get("Regex", "") for step in steps if step.get("type") == "Split"]
     if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits"):
         return "smollm"  # GPT-2 rules with every digit split on its own (SmolLM, SmolLM2)
     if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
@@ -110,8 +104,9 @@ def _is_byte_level(tokenizer_json: dict) -> bool:
 
 
 def _looks_special(text: str) -> bool:
-    return (text.startswith("<|") and text.endswith("|>")) or (text.startswith("<") and text.endswith(">") and
-                                                              text[1:-1].isupper())
+    return (text.startswith("<|") and text.endswith("|>")) or (
+        text.startswith("<") and text.endswith(">") and text[1:-1].isupper()
+    )
 
 
 def _gpt2_vocab(folder: Path, vocab_size: int) -> tuple[list[str], list[int]]:
@@ -296,10 +291,16 @@ def convert_hf_to_gguf(
         raise QuantforgeError(problem)
     spec = ARCHITECTURES[config["architectures"][0]]
     text = config.get("text_config") or config
-    qtype = {"f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16,
-             "f32": gguf.GGMLQuantizationType.F32}[outtype]
-    file_type = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-                 "f32": gguf.LlamaFileType.ALL_F32}[outtype]
+    qtype = {
+        "f16": gguf.GGMLQuantizationType.F16,
+        "bf16": gguf.GGMLQuantizationType.BF16,
+        "f32": gguf.GGMLQuantizationType.F32,
+    }[outtype]
+    file_type = {
+        "f16": gguf.LlamaFileType.MOSTLY_F16,
+        "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+        "f32": gguf.LlamaFileType.ALL_F32,
+    }[outtype]
     arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == spec.gguf_arch)
     n_blocks = text["num_hidden_layers"]
     name_map = gguf.get_tensor_name_map(arch, n_blocks)
@@ -326,8 +327,10 @@ def convert_hf_to_gguf(
             continue  # llama.cpp reuses token_embd when there is no output tensor
         new_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if new_name is None:
-            raise QuantforgeError(f"tensor {hf_name} has no GGUF name for {spec.gguf_arch}; the model is not a "
-                                  f"plain {config['architectures'][0]}")
+            raise QuantforgeError(
+                f"tensor {hf_name} has no GGUF name for {spec.gguf_arch}; the model is not a "
+                f"plain {config['architectures'][0]}"
+            )
         if spec.permute_qk and hf_name.endswith("q_proj.weight"):
             data = _permute_rope_rows(data, heads)
         elif spec.permute_qk and hf_name.endswith("k_proj.weight"):

@@ -27,8 +27,11 @@ def plot_quality(card: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = [(e["key"], e["size_bytes"] / 1e6, e["metrics"]["kld_mean"]) for e in card["formats"]
-              if e.get("complete") and e["metrics"].get("kld_mean") is not None]
+    points = [
+        (e["key"], e["size_bytes"] / 1e6, e["metrics"]["kld_mean"])
+        for e in card["formats"]
+        if e.get("complete") and e["metrics"].get("kld_mean") is not None
+    ]
     front = card.get("pareto_front") or []
     figure, axes = plt.subplots(figsize=(7, 4.5))
     for key, size, loss in points:
@@ -37,8 +40,9 @@ def plot_quality(card: dict, path: Path) -> None:
         axes.annotate(key, (size, loss), textcoords="offset points", xytext=(6, 4), fontsize=8)
     ordered = sorted((p for p in points if p[0] in front), key=lambda p: p[1])
     if len(ordered) > 1:
-        axes.plot([p[1] for p in ordered], [p[2] for p in ordered], color="tab:red", linestyle="--",
-                  label="Pareto front")
+        axes.plot(
+            [p[1] for p in ordered], [p[2] for p in ordered], color="tab:red", linestyle="--", label="Pareto front"
+        )
         axes.legend()
     axes.set_xlabel("artifact size (MB)")
     axes.set_ylabel("mean KL divergence vs reference")
@@ -66,7 +70,7 @@ def plot_speed(card: dict, path: Path) -> bool:
     measured = [speed["decode_tps"] if speed.get("measured") else 0 for _, speed in rows]
     axes.bar([p - 0.2 for p in positions], bounds, width=0.4, color="lightgray", label="bandwidth bound (computed)")
     axes.bar([p + 0.2 for p in positions], measured, width=0.4, color="tab:green", label="measured decode")
-    for position, (key, speed) in zip(positions, rows):
+    for position, (_, speed) in zip(positions, rows, strict=True):
         if not speed.get("measured"):
             axes.annotate("not measured", (position + 0.2, 0), rotation=90, fontsize=7, ha="center", va="bottom")
     axes.set_xticks(list(positions), [key for key, _ in rows], rotation=30, ha="right", fontsize=8)
@@ -87,9 +91,13 @@ def _markdown_tables_to_html(markdown: str) -> str:
         if table:
             head, *body = [row for row in table if not set(row.replace("|", "").strip()) <= {"-", ""}]
             cells = lambda row: [c.strip() for c in row.strip().strip("|").split("|")]  # noqa: E731
-            out.append("<table><thead><tr>" + "".join(f"<th>{_inline(c)}</th>" for c in cells(head)) +
-                       "</tr></thead><tbody>" + "".join("<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in cells(r)) +
-                                                        "</tr>" for r in body) + "</tbody></table>")
+            out.append(
+                "<table><thead><tr>"
+                + "".join(f"<th>{_inline(c)}</th>" for c in cells(head))
+                + "</tr></thead><tbody>"
+                + "".join("<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in cells(r)) + "</tr>" for r in body)
+                + "</tbody></table>"
+            )
             table.clear()
         if items:
             out.append("<ul>" + "".join(f"<li>{_inline(i)}</li>" for i in items) + "</ul>")
@@ -132,11 +140,16 @@ def write_html(run_dir: Path, card: dict) -> None:
     has_speed = plot_speed(card, run_dir / SPEED_PNG)
     front = card.get("pareto_front") or []
     body = _markdown_tables_to_html(render_markdown(card))
-    figures = [f'<h2>Quality against size</h2><img src="{QUALITY_PNG}" alt="quality loss against size">'
-               f"<p>Pareto front (no other format is both smaller and closer): {html.escape(', '.join(front))}.</p>"]
+    figures = [
+        f'<h2>Quality against size</h2><img src="{QUALITY_PNG}" alt="quality loss against size">'
+        f"<p>Pareto front (no other format is both smaller and closer): {html.escape(', '.join(front))}.</p>"
+    ]
     if has_speed:
         figures.append(f'<h2>Speed against the roofline</h2><img src="{SPEED_PNG}" alt="decode speed and roofline">')
-    page = (f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>quantforge card: "
-            f"{html.escape(card['model']['name'])}</title><style>{STYLE}</style></head><body>\n{body}\n"
-            + "\n".join(figures) + "\n</body></html>\n")
+    page = (
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>quantforge card: '
+        f"{html.escape(card['model']['name'])}</title><style>{STYLE}</style></head><body>\n{body}\n"
+        + "\n".join(figures)
+        + "\n</body></html>\n"
+    )
     atomic_write_text(run_dir / "card.html", page)

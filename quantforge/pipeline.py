@@ -89,12 +89,21 @@ class Plan:
     def to_json(self) -> dict:
         return {
             "command": self.request.command,
-            "model": {"kind": self.spec.kind, "target": self.spec.target, "name": self.spec.name,
-                      "revision": self.spec.revision},
+            "model": {
+                "kind": self.spec.kind,
+                "target": self.spec.target,
+                "name": self.spec.name,
+                "revision": self.spec.revision,
+            },
             "recipe": self.recipe.to_json() if self.recipe else None,
             "artifacts": {
-                c.key: {"format": c.format.name, "scheme": c.format.scheme, "backend": c.backend.name,
-                        "family": c.format.family, "runtimes": list(c.format.runtimes)}
+                c.key: {
+                    "format": c.format.name,
+                    "scheme": c.format.scheme,
+                    "backend": c.backend.name,
+                    "family": c.format.family,
+                    "runtimes": list(c.format.runtimes),
+                }
                 for c in self.choices
             },
             "eval_settings": self.eval.to_json(),
@@ -155,9 +164,11 @@ def make_plan(request: BuildRequest) -> Plan:
     group_size = _first(request.group_size, recipe_quantize.get("group_size"), 128)
     if str(group_size) != "auto" and not str(group_size).isdigit():
         raise QuantforgeError(f"--group-size must be a number or 'auto', not {group_size!r}")
-    quantize = {"group_size": "auto" if str(group_size) == "auto" else int(group_size),
-                "act_order": bool(_first(request.act_order, recipe_quantize.get("act_order"), False)),
-                "layer_resume": bool(_first(request.layer_resume, recipe_quantize.get("layer_resume"), False))}
+    quantize = {
+        "group_size": "auto" if str(group_size) == "auto" else int(group_size),
+        "act_order": bool(_first(request.act_order, recipe_quantize.get("act_order"), False)),
+        "layer_resume": bool(_first(request.layer_resume, recipe_quantize.get("layer_resume"), False)),
+    }
     targets = Targets(**{**recipe_targets, **request.targets})
     problems = targets.problems()
     if problems:
@@ -175,12 +186,16 @@ def make_plan(request: BuildRequest) -> Plan:
     tasks = plan_tasks(request, recipe_eval)
     speed = None
     if request.speed:
-        speed = {"prompt_tokens": min(request.prompt_tokens, eval_settings.context), "gen_tokens": request.gen_tokens,
-                 "runs": 3}
+        speed = {
+            "prompt_tokens": min(request.prompt_tokens, eval_settings.context),
+            "gen_tokens": request.gen_tokens,
+            "runs": 3,
+        }
         if speed["prompt_tokens"] < 1 or speed["gen_tokens"] < 2:
             raise QuantforgeError("--prompt-tokens must be at least 1 and --gen-tokens at least 2")
-    return Plan(spec, recipe, choices, eval_settings, tasks, speed, calibration, quantize, targets, run_dir, threads,
-                request)
+    return Plan(
+        spec, recipe, choices, eval_settings, tasks, speed, calibration, quantize, targets, run_dir, threads, request
+    )
 
 
 def plan_tasks(request: BuildRequest, recipe_eval: dict) -> dict:
@@ -242,8 +257,9 @@ class Build:
     def stage(self, key: str, description: str, *, inputs: dict, settings: dict, outputs: list[Path], produce):
         force = self.plan.request.force and key not in self._forced
         self._forced.add(key)
-        result = run_stage(self.manifest, key, inputs=inputs, settings=settings, outputs=outputs, produce=produce,
-                           force=force)
+        result = run_stage(
+            self.manifest, key, inputs=inputs, settings=settings, outputs=outputs, produce=produce, force=force
+        )
         if result.skipped and description:
             self.ui.skipped(description)
         return result
@@ -251,8 +267,9 @@ class Build:
     def open_reference_runner(self):
         from .runners import TorchRunner
 
-        return TorchRunner.from_folder(self.source.path, threads=self.plan.threads,
-                                       trust_remote_code=self.plan.request.trust_remote_code)
+        return TorchRunner.from_folder(
+            self.source.path, threads=self.plan.threads, trust_remote_code=self.plan.request.trust_remote_code
+        )
 
     def progress_path(self, key: str, inputs: dict) -> Path:
         """Where an evaluation keeps per-window results; named by its inputs, so a stale one is never reused."""
@@ -269,8 +286,13 @@ class Build:
         """Make the model available and describe it; nothing is recorded until the checks have passed."""
         spec = self.plan.spec
         with self.ui.task(f"fetch {spec.target}") as advance:
-            return fetch(spec, allow_pickle=self.plan.request.allow_pickle,
-                         trust_remote_code=self.plan.request.trust_remote_code, log=self.ui.log, progress=advance)
+            return fetch(
+                spec,
+                allow_pickle=self.plan.request.allow_pickle,
+                trust_remote_code=self.plan.request.trust_remote_code,
+                log=self.ui.log,
+                progress=advance,
+            )
 
     def record_fetch(self) -> None:
         # Fetching is re-checked on every build (cheap: cached downloads, remembered hashes), so a changed local
@@ -282,17 +304,20 @@ class Build:
             return self.source.to_json()
 
         self.manifest.stages.pop("fetch", None)
-        self.stage("fetch", None, inputs={"spec": self.plan.spec.__dict__}, settings={}, outputs=[source_json],
-                   produce=produce)
+        self.stage(
+            "fetch", None, inputs={"spec": self.plan.spec.__dict__}, settings={}, outputs=[source_json], produce=produce
+        )
 
     def check_resources(self, parameters: int) -> None:
         from .resources import check_resources
 
         pending = [c for c in self.plan.choices if not self.manifest.stage(f"quantize/{c.key}")]
         self.resources = check_resources(
-            self.run_dir, parameters, [c.format.nominal_bits for c in pending],
-            needs_f16_gguf=any(c.backend.name == "llamacpp" for c in pending) and
-            not self.manifest.stage("intermediate/gguf-f16"),
+            self.run_dir,
+            parameters,
+            [c.format.nominal_bits for c in pending],
+            needs_f16_gguf=any(c.backend.name == "llamacpp" for c in pending)
+            and not self.manifest.stage("intermediate/gguf-f16"),
             needs_reference_model=not self.manifest.stage("reference"),
         )
 
@@ -309,10 +334,13 @@ class Build:
     def check_backends(self) -> None:
         problems = []
         for choice in self.plan.choices:
-            problems += [f"{choice.key}: {p}" for p in choice.backend.check(self.source, choice.format,
-                                                                             self.plan.quantize)]
+            problems += [
+                f"{choice.key}: {p}" for p in choice.backend.check(self.source, choice.format, self.plan.quantize)
+            ]
         if problems:
-            raise QuantforgeError(problems[0] + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""))
+            raise QuantforgeError(
+                problems[0] + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else "")
+            )
 
     def tokens(self) -> np.ndarray:
         from .evaluate import tokenize_text
@@ -329,8 +357,14 @@ class Build:
                 np.save(handle, windows)
             return {"text": text.describe(), "windows": int(windows.shape[0]), "context": int(windows.shape[1])}
 
-        self.stage("tokens", "tokenize evaluation text", inputs={"source": self.digest("fetch"), "text": text.sha256},
-                   settings=settings.to_json(), outputs=[path], produce=produce)
+        self.stage(
+            "tokens",
+            "tokenize evaluation text",
+            inputs={"source": self.digest("fetch"), "text": text.sha256},
+            settings=settings.to_json(),
+            outputs=[path],
+            produce=produce,
+        )
         return np.load(path)
 
     def calibration(self) -> Path | None:
@@ -350,9 +384,14 @@ class Build:
                 np.save(handle, sequences)
             return {"text": text.describe(), **settings.to_json()}
 
-        self.stage("calibration", "tokenize calibration set",
-                   inputs={"source": self.digest("fetch"), "text": text.sha256}, settings=settings.to_json(),
-                   outputs=[path], produce=produce)
+        self.stage(
+            "calibration",
+            "tokenize calibration set",
+            inputs={"source": self.digest("fetch"), "text": text.sha256},
+            settings=settings.to_json(),
+            outputs=[path],
+            produce=produce,
+        )
         return path
 
     def reference(self, windows: np.ndarray, runner: "LazyRunner") -> Path:
@@ -361,13 +400,20 @@ class Build:
 
         def produce():
             with self.ui.task("evaluate reference (transformers, float32)", total=len(windows)) as advance:
-                refs, summary = score_reference(runner.get().logits, windows, advance,
-                                                progress_path=self.progress_path("reference", inputs))
+                refs, summary = score_reference(
+                    runner.get().logits, windows, advance, progress_path=self.progress_path("reference", inputs)
+                )
             save_reference(path, refs)
             return {**summary, "runtime": "transformers", "dtype": "float32", "threads": self.plan.threads}
 
-        self.stage("reference", "evaluate reference", inputs=inputs,
-                   settings={"reference_format": REFERENCE_FORMAT}, outputs=[path], produce=produce)
+        self.stage(
+            "reference",
+            "evaluate reference",
+            inputs=inputs,
+            settings={"reference_format": REFERENCE_FORMAT},
+            outputs=[path],
+            produce=produce,
+        )
         return path
 
     def tasks(self, key: str, runner: "LazyRunner", upstream: str) -> None:
@@ -380,16 +426,28 @@ class Build:
 
             def produce(name=name, path=path):
                 with self.ui.task(f"task {name} on {key}"):
-                    result = run_task(runner.get(), self.source.path, name, settings["data"], settings["limit"],
-                                      self.run_dir / "work", max_length=runner.context)
+                    result = run_task(
+                        runner.get(),
+                        self.source.path,
+                        name,
+                        settings["data"],
+                        settings["limit"],
+                        self.run_dir / "work",
+                        max_length=runner.context,
+                    )
                 result["runtime"] = runner.get().runtime
                 atomic_write_json(path, result)
                 return result
 
             data_file = settings["data_files"][name]
-            self.stage(f"tasks/{key}/{name}", f"task {name} on {key}",
-                       inputs={"model": self.digest(upstream), "data": data_file},
-                       settings={"limit": settings["limit"]}, outputs=[path], produce=produce)
+            self.stage(
+                f"tasks/{key}/{name}",
+                f"task {name} on {key}",
+                inputs={"model": self.digest(upstream), "data": data_file},
+                settings={"limit": settings["limit"]},
+                outputs=[path],
+                produce=produce,
+            )
 
     def intermediate(self, name: str, build, suffix: str = "") -> Path:
         """A file shared by several formats of the run (the F16 GGUF, say), built once and recorded."""
@@ -399,8 +457,14 @@ class Build:
             with self.ui.task(f"build {name}"), atomic_output(path) as tmp:
                 return build(tmp) or {}
 
-        self.stage(f"intermediate/{name}", None, inputs={"source": self.digest("fetch")}, settings={},
-                   outputs=[path], produce=produce)
+        self.stage(
+            f"intermediate/{name}",
+            None,
+            inputs={"source": self.digest("fetch")},
+            settings={},
+            outputs=[path],
+            produce=produce,
+        )
         return path
 
     def quantize(self, choice: Choice, parameters: int, calibration: Path | None) -> Path:
@@ -413,13 +477,26 @@ class Build:
 
         def produce():
             log = log_dir / f"quantize-{choice.key}.log"
-            with self.ui.task(f"quantize {choice.key} ({choice.backend.name})") as advance, \
-                    atomic_output(artifact_dir) as tmp:
-                job = QuantizeJob(self.source, choice.format, self.plan.quantize, tmp, self.intermediate, log_dir,
-                                  calibration=calibration if uses_calibration else None, threads=self.plan.threads,
-                                  log=self.ui.log, checkpoint_dir=checkpoint_dir)
-                with capture_output(log), follow_progress(log, choice.backend.progress_pattern,
-                                                          lambda done, total: advance(done, total + 1)):
+            with (
+                self.ui.task(f"quantize {choice.key} ({choice.backend.name})") as advance,
+                atomic_output(artifact_dir) as tmp,
+            ):
+                job = QuantizeJob(
+                    self.source,
+                    choice.format,
+                    self.plan.quantize,
+                    tmp,
+                    self.intermediate,
+                    log_dir,
+                    calibration=calibration if uses_calibration else None,
+                    threads=self.plan.threads,
+                    log=self.ui.log,
+                    checkpoint_dir=checkpoint_dir,
+                )
+                with (
+                    capture_output(log),
+                    follow_progress(log, choice.backend.progress_pattern, lambda done, total: advance(done, total + 1)),
+                ):
                     facts = choice.backend.quantize(job)
             remove_path(checkpoint_dir)  # only a finished artifact makes the layer checkpoints obsolete
             return {**facts, **measure(choice.backend.artifact_file(artifact_dir), parameters)}
@@ -427,9 +504,14 @@ class Build:
         inputs = {"source": self.digest("fetch")}
         if uses_calibration:
             inputs["calibration"] = self.digest("calibration")
-        self.stage(f"quantize/{choice.key}", f"quantize {choice.key}", inputs=inputs,
-                   settings={"format": choice.format.name, "backend": choice.backend.name, **self.plan.quantize},
-                   outputs=[artifact_dir], produce=produce)
+        self.stage(
+            f"quantize/{choice.key}",
+            f"quantize {choice.key}",
+            inputs=inputs,
+            settings={"format": choice.format.name, "backend": choice.backend.name, **self.plan.quantize},
+            outputs=[artifact_dir],
+            produce=produce,
+        )
         return artifact_dir
 
     def evaluate(self, choice: Choice, windows: np.ndarray, reference_path: Path) -> None:
@@ -441,21 +523,39 @@ class Build:
             with capture_output(self.run_dir / "logs" / f"evaluate-{choice.key}.log"):
                 return choice.backend.open_runner(artifact_dir, context=context, threads=self.plan.threads)
 
-        inputs = {"artifact": self.digest(f"quantize/{choice.key}"), "reference": self.digest("reference"),
-                  "tokens": self.digest("tokens")}
+        inputs = {
+            "artifact": self.digest(f"quantize/{choice.key}"),
+            "reference": self.digest("reference"),
+            "tokens": self.digest("tokens"),
+        }
         with LazyRunner(open_runner, context) as runner:
+
             def produce():
                 refs = load_reference(reference_path)
                 with self.ui.task(f"evaluate {choice.key} ({runner.get().runtime})", total=len(windows)) as advance:
-                    summary = score_artifact(runner.get().logits, windows, refs, advance,
-                                             progress_path=self.progress_path(choice.key, inputs))
-                summary.update(runtime=runner.get().runtime, threads=self.plan.threads,
-                               flash_attn=getattr(runner.get(), "flash_attn", None))
+                    summary = score_artifact(
+                        runner.get().logits,
+                        windows,
+                        refs,
+                        advance,
+                        progress_path=self.progress_path(choice.key, inputs),
+                    )
+                summary.update(
+                    runtime=runner.get().runtime,
+                    threads=self.plan.threads,
+                    flash_attn=getattr(runner.get(), "flash_attn", None),
+                )
                 atomic_write_json(path, summary)
                 return summary
 
-            self.stage(f"evaluate/{choice.key}", f"evaluate {choice.key}", inputs=inputs,
-                       settings={"threads": self.plan.threads}, outputs=[path], produce=produce)
+            self.stage(
+                f"evaluate/{choice.key}",
+                f"evaluate {choice.key}",
+                inputs=inputs,
+                settings={"threads": self.plan.threads},
+                outputs=[path],
+                produce=produce,
+            )
             self.tasks(choice.key, runner, f"quantize/{choice.key}")
 
     def host(self) -> dict:
@@ -466,8 +566,11 @@ class Build:
 
         def produce():
             with self.ui.task("measure memory bandwidth"):
-                facts = {"bandwidth_gbs": round(measure_bandwidth(), 2), "method": "numpy copy of 256 MB, best of 5",
-                         "cpus": os.cpu_count()}
+                facts = {
+                    "bandwidth_gbs": round(measure_bandwidth(), 2),
+                    "method": "numpy copy of 256 MB, best of 5",
+                    "cpus": os.cpu_count(),
+                }
             atomic_write_json(path, facts)
             return facts
 
@@ -485,10 +588,16 @@ class Build:
         bandwidth = self.host()["bandwidth_gbs"]
 
         def produce():
-            result = {"weight_bytes": weight_bytes, "host_bandwidth_gbs": bandwidth,
-                      "host_decode_tps_bound": roofline(weight_bytes, bandwidth), "gpus": gpu_rooflines(weight_bytes),
-                      "prompt_tokens": settings["prompt_tokens"], "gen_tokens": settings["gen_tokens"],
-                      "runs": settings["runs"], "threads": self.plan.threads}
+            result = {
+                "weight_bytes": weight_bytes,
+                "host_bandwidth_gbs": bandwidth,
+                "host_decode_tps_bound": roofline(weight_bytes, bandwidth),
+                "gpus": gpu_rooflines(weight_bytes),
+                "prompt_tokens": settings["prompt_tokens"],
+                "gen_tokens": settings["gen_tokens"],
+                "runs": settings["runs"],
+                "threads": self.plan.threads,
+            }
             if isinstance(target, str):
                 result.update(measured=False, reason=target)
             else:
@@ -497,9 +606,23 @@ class Build:
                 if not prompt_path.exists():
                     with atomic_output(prompt_path) as tmp, open(tmp, "wb") as handle:
                         np.save(handle, prompt[: settings["prompt_tokens"]])
-                command = [sys.executable, "-m", "quantforge.probe", "--runtime", runtime, "--path", str(artifact),
-                           "--prompt", str(prompt_path), "--gen-tokens", str(settings["gen_tokens"]),
-                           "--runs", str(settings["runs"]), "--threads", str(self.plan.threads)]
+                command = [
+                    sys.executable,
+                    "-m",
+                    "quantforge.probe",
+                    "--runtime",
+                    runtime,
+                    "--path",
+                    str(artifact),
+                    "--prompt",
+                    str(prompt_path),
+                    "--gen-tokens",
+                    str(settings["gen_tokens"]),
+                    "--runs",
+                    str(settings["runs"]),
+                    "--threads",
+                    str(self.plan.threads),
+                ]
                 log = self.run_dir / "logs" / f"speed-{key}.log"
                 log.parent.mkdir(parents=True, exist_ok=True)
                 with self.ui.task(f"speed {key} ({runtime})"), open(log, "ab") as stream:
@@ -512,8 +635,14 @@ class Build:
             atomic_write_json(path, result)
             return result
 
-        self.stage(f"speed/{key}", f"speed {key}", inputs={"model": self.digest(upstream), "host": self.digest("host")},
-                   settings={**settings, "threads": self.plan.threads}, outputs=[path], produce=produce)
+        self.stage(
+            f"speed/{key}",
+            f"speed {key}",
+            inputs={"model": self.digest(upstream), "host": self.digest("host")},
+            settings={**settings, "threads": self.plan.threads},
+            outputs=[path],
+            produce=produce,
+        )
 
     # -- the whole build --------------------------------------------------------------------------------------
 
@@ -549,8 +678,9 @@ class Build:
         if self.plan.speed:
             from .artifacts import tensor_bytes
 
-            self.speed("reference", ("transformers", self.source.path), tensor_bytes(self.source.path),
-                       windows[0], "fetch")
+            self.speed(
+                "reference", ("transformers", self.source.path), tensor_bytes(self.source.path), windows[0], "fetch"
+            )
         self.calibration()
 
     def make(self, choice: Choice) -> None:
@@ -562,8 +692,13 @@ class Build:
         if self.plan.speed:
             artifact_dir = self.run_dir / "artifacts" / choice.key
             weight_bytes = self.manifest.stage(f"quantize/{choice.key}")["result"]["tensor_bytes"]
-            self.speed(choice.key, choice.backend.probe_target(artifact_dir), weight_bytes, windows[0],
-                       f"quantize/{choice.key}")
+            self.speed(
+                choice.key,
+                choice.backend.probe_target(artifact_dir),
+                weight_bytes,
+                windows[0],
+                f"quantize/{choice.key}",
+            )
 
     def card(self) -> dict:
         return write_card(self.run_dir, self.plan.targets)

@@ -58,9 +58,16 @@ def roofline(weight_bytes: int, bandwidth_gbs: float) -> float:
 
 
 def gpu_rooflines(weight_bytes: int) -> dict:
-    return {name: {"memory_gb": memory, "bandwidth_gbs": bandwidth, "decode_tps_bound": roofline(weight_bytes, bandwidth),
-                   "fits": weight_bytes < memory * 1e9, "computed": True}
-            for name, (memory, bandwidth) in GPUS.items()}
+    return {
+        name: {
+            "memory_gb": memory,
+            "bandwidth_gbs": bandwidth,
+            "decode_tps_bound": roofline(weight_bytes, bandwidth),
+            "fits": weight_bytes < memory * 1e9,
+            "computed": True,
+        }
+        for name, (memory, bandwidth) in GPUS.items()
+    }
 
 
 def _median_report(runs: list[dict]) -> dict:
@@ -82,8 +89,15 @@ def probe_llama_cpp(path: Path, prompt: list[int], gen_tokens: int, threads: int
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from llama_cpp import Llama
 
-    llm = Llama(str(path), n_ctx=len(prompt) + gen_tokens + 8, n_batch=len(prompt), n_threads=threads,
-                n_threads_batch=threads, flash_attn=False, verbose=False)
+    llm = Llama(
+        str(path),
+        n_ctx=len(prompt) + gen_tokens + 8,
+        n_batch=len(prompt),
+        n_threads=threads,
+        n_threads_batch=threads,
+        flash_attn=False,
+        verbose=False,
+    )
 
     context, batch, vocab = llm._ctx, llm._batch, llm.n_vocab()
 

@@ -21,11 +21,27 @@ SCHEMA: dict = {
     "revision": str,
     "formats": list,
     "backends": list,
-    "eval": {"text": str, "context": int, "windows": int, "threads": int, "tasks": list, "tasks_data": str,
-             "limit": int},
-    "targets": {"max_ppl_increase": (int, float), "max_kld": (int, float), "min_top1_agreement": (int, float),
-                "min_recovery": (int, float), "max_size_gb": (int, float), "min_decode_tps": (int, float),
-                "gpu": str, "context": int, "concurrency": int, "runtime": str},
+    "eval": {
+        "text": str,
+        "context": int,
+        "windows": int,
+        "threads": int,
+        "tasks": list,
+        "tasks_data": str,
+        "limit": int,
+    },
+    "targets": {
+        "max_ppl_increase": (int, float),
+        "max_kld": (int, float),
+        "min_top1_agreement": (int, float),
+        "min_recovery": (int, float),
+        "max_size_gb": (int, float),
+        "min_decode_tps": (int, float),
+        "gpu": str,
+        "context": int,
+        "concurrency": int,
+        "runtime": str,
+    },
     "quantize": {"group_size": (int, str), "act_order": bool, "layer_resume": bool},
     "calibration": {"dataset": str, "samples": int, "seqlen": int, "seed": int},
 }
@@ -47,9 +63,16 @@ class Recipe:
 
     def to_json(self) -> dict:
         return {
-            "name": self.name, "model": self.model, "revision": self.revision, "path": str(self.path) if self.path else None,
-            "formats": self.formats, "backends": self.backends, "eval": self.eval, "targets": self.targets,
-            "quantize": self.quantize, "calibration": self.calibration,
+            "name": self.name,
+            "model": self.model,
+            "revision": self.revision,
+            "path": str(self.path) if self.path else None,
+            "formats": self.formats,
+            "backends": self.backends,
+            "eval": self.eval,
+            "targets": self.targets,
+            "quantize": self.quantize,
+            "calibration": self.calibration,
         }
 
 
@@ -63,9 +86,10 @@ def known_recipes() -> dict[str, Path]:
 
 def _type_name(expected) -> str:
     types = expected if isinstance(expected, tuple) else (expected,)
-    return " or ".join({str: "text", int: "an integer", float: "a number", list: "a list", dict: "a mapping",
-                         bool: "true or false"}[t]
-                       for t in types)
+    return " or ".join(
+        {str: "text", int: "an integer", float: "a number", list: "a list", dict: "a mapping", bool: "true or false"}[t]
+        for t in types
+    )
 
 
 def _check(node: yaml.Node, schema: dict, path: Path, where: str) -> dict:
@@ -78,9 +102,7 @@ def _check(node: yaml.Node, schema: dict, path: Path, where: str) -> dict:
         line = key_node.start_mark.line + 1
         label = f"{where}.{key}" if where else key
         if key not in schema:
-            raise QuantforgeError(
-                f"{path}:{line}: unknown key '{label}' (allowed here: {', '.join(sorted(schema))})"
-            )
+            raise QuantforgeError(f"{path}:{line}: unknown key '{label}' (allowed here: {', '.join(sorted(schema))})")
         expected = schema[key]
         if isinstance(expected, dict):
             result[key] = _check(value_node, expected, path, label)

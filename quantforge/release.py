@@ -26,9 +26,15 @@ from .recipes import SCHEMA as RECIPE_SCHEMA
 from .recipes import _check
 
 MODEL_SETTINGS = {
-    "formats": list, "backends": list, "eval": RECIPE_SCHEMA["eval"], "targets": RECIPE_SCHEMA["targets"],
-    "quantize": RECIPE_SCHEMA["quantize"], "calibration": RECIPE_SCHEMA["calibration"], "speed": bool,
-    "revision": str, "trust_remote_code": bool,
+    "formats": list,
+    "backends": list,
+    "eval": RECIPE_SCHEMA["eval"],
+    "targets": RECIPE_SCHEMA["targets"],
+    "quantize": RECIPE_SCHEMA["quantize"],
+    "calibration": RECIPE_SCHEMA["calibration"],
+    "speed": bool,
+    "revision": str,
+    "trust_remote_code": bool,
 }
 RELEASE_SCHEMA = {
     "name": str,
@@ -105,14 +111,24 @@ def build_request(release: Release, model: ReleaseModel):
     calibration = settings.get("calibration", {})
     quantize = settings.get("quantize", {})
     return BuildRequest(
-        model=model.model, formats=settings.get("formats"), backends=settings.get("backends"),
-        out=release.out / model.name, eval_text=evaluation.get("text"), ppl_context=evaluation.get("context"),
-        ppl_windows=evaluation.get("windows"), threads=evaluation.get("threads"), tasks=evaluation.get("tasks"),
+        model=model.model,
+        formats=settings.get("formats"),
+        backends=settings.get("backends"),
+        out=release.out / model.name,
+        eval_text=evaluation.get("text"),
+        ppl_context=evaluation.get("context"),
+        ppl_windows=evaluation.get("windows"),
+        threads=evaluation.get("threads"),
+        tasks=evaluation.get("tasks"),
         tasks_data=Path(evaluation["tasks_data"]) if evaluation.get("tasks_data") else None,
-        limit=evaluation.get("limit"), speed=settings.get("speed", True),
-        calibration=calibration.get("dataset"), calib_samples=calibration.get("samples"),
-        calib_seqlen=calibration.get("seqlen"), group_size=quantize.get("group_size"),
-        act_order=quantize.get("act_order"), targets=settings.get("targets", {}),
+        limit=evaluation.get("limit"),
+        speed=settings.get("speed", True),
+        calibration=calibration.get("dataset"),
+        calib_samples=calibration.get("samples"),
+        calib_seqlen=calibration.get("seqlen"),
+        group_size=quantize.get("group_size"),
+        act_order=quantize.get("act_order"),
+        targets=settings.get("targets", {}),
         trust_remote_code=settings.get("trust_remote_code", False),
         command=f"quantforge release {shlex.quote(str(release.path))}",
     )
@@ -170,26 +186,39 @@ def plan_release(release: Release) -> tuple[list[Unit], dict]:
         stages = Manifest.open(plan.run_dir).stages if (plan.run_dir / "run.json").exists() else {}
         gpus = 0  # no backend of ours needs a GPU; a third-party one could declare it here
 
-        def unit(kind, key=None, depends=(), done=False):
+        def unit(kind, key=None, depends=(), done=False, model=model, gpus=gpus):
             memory = _estimate_memory(model.model, kind)
             resources = {"cpus": 1, "gpus": gpus, **({"memory_bytes": memory} if memory else {})}
-            return Unit(f"{model.name}/{kind}" + (f"/{key}" if key else ""), model.name, kind, key, list(depends),
-                        resources, done)
+            return Unit(
+                f"{model.name}/{kind}" + (f"/{key}" if key else ""),
+                model.name,
+                kind,
+                key,
+                list(depends),
+                resources,
+                done,
+            )
 
-        prepare = unit("prepare", done="reference" in stages and (not plan.needs_calibration or
-                                                                  "calibration" in stages))
+        prepare = unit(
+            "prepare", done="reference" in stages and (not plan.needs_calibration or "calibration" in stages)
+        )
         units.append(prepare)
         evaluations = []
         for choice in plan.choices:
             quantize = unit("quantize", choice.key, [prepare.id], f"quantize/{choice.key}" in stages)
-            evaluate = unit("evaluate", choice.key, [quantize.id], f"evaluate/{choice.key}" in stages and (
-                not plan.speed or f"speed/{choice.key}" in stages))
+            evaluate = unit(
+                "evaluate",
+                choice.key,
+                [quantize.id],
+                f"evaluate/{choice.key}" in stages and (not plan.speed or f"speed/{choice.key}" in stages),
+            )
             units += [quantize, evaluate]
             evaluations.append(evaluate.id)
         card, manifest = plan.run_dir / "card.json", plan.run_dir / "run.json"
         card_current = card.exists() and card.stat().st_mtime >= manifest.stat().st_mtime
-        units.append(unit("card", None, evaluations, card_current and all(u.done for u in units
-                                                                          if u.model == model.name)))
+        units.append(
+            unit("card", None, evaluations, card_current and all(u.done for u in units if u.model == model.name))
+        )
     return units, plans
 
 
@@ -268,8 +297,9 @@ class RayExecutor:
             if self.address:
                 ray.init(address=self.address, log_to_driver=False)
             else:
-                ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
-                         _node_ip_address="127.0.0.1")
+                ray.init(
+                    num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1"
+                )
         return ray
 
     def run(self, release: Release, units: list[Unit], report: Callable[[Outcome], None]) -> list[Outcome]:
@@ -289,16 +319,20 @@ class RayExecutor:
             options = {"num_cpus": unit.resources["cpus"], "num_gpus": unit.resources["gpus"]}
             if unit.resources.get("memory_bytes"):
                 options["memory"] = unit.resources["memory_bytes"]
-            ref = remote_unit.options(**options).remote(str(release.path), unit.model, unit.kind, unit.key,
-                                                        *dependencies)
+            ref = remote_unit.options(**options).remote(
+                str(release.path), unit.model, unit.kind, unit.key, *dependencies
+            )
             refs[unit.id] = ref
             by_ref[ref] = unit
         pending = list(by_ref)
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
             unit = by_ref[ready[0]]
-            failed = [d for d in unit.depends if outcomes.get(d) and outcomes[d].status not in
-                      ("done", "skipped (done earlier)")]
+            failed = [
+                d
+                for d in unit.depends
+                if outcomes.get(d) and outcomes[d].status not in ("done", "skipped (done earlier)")
+            ]
             try:
                 ray.get(ready[0])
                 outcome = Outcome(unit, "done")
@@ -318,5 +352,6 @@ EXECUTORS = {"local": LocalExecutor, "ray": RayExecutor}
 
 def describe_failure(release: Release, outcome: Outcome) -> str:
     model = next(m for m in release.models if m.name == outcome.unit.model)
-    return f"{outcome.unit.id}: {outcome.reason} (retry: {retry_command(build_request(release, model), outcome.unit.key)})"
-
+    return (
+        f"{outcome.unit.id}: {outcome.reason} (retry: {retry_command(build_request(release, model), outcome.unit.key)})"
+    )

@@ -34,8 +34,9 @@ def planned_disk_bytes(parameters: int, nominal_bits: list[float], needs_f16_ggu
     return int((artifacts + intermediate) * DISK_MARGIN)
 
 
-def check_resources(run_dir: Path, parameters: int, nominal_bits: list[float], needs_f16_gguf: bool,
-                    needs_reference_model: bool) -> dict:
+def check_resources(
+    run_dir: Path, parameters: int, nominal_bits: list[float], needs_f16_gguf: bool, needs_reference_model: bool
+) -> dict:
     """Refuse a build that cannot fit; return the numbers for the manifest."""
     needed_disk = planned_disk_bytes(parameters, nominal_bits, needs_f16_gguf)
     free_disk = shutil.disk_usage(_existing_parent(run_dir)).free
@@ -52,5 +53,9 @@ def check_resources(run_dir: Path, parameters: int, nominal_bits: list[float], n
             f"{available / 1e9:.1f} GB is available; use a machine with more memory "
             "(or set QUANTFORGE_IGNORE_MEMORY=1 to try anyway)"
         )
-    return {"disk_needed_bytes": needed_disk, "disk_free_bytes": free_disk, "memory_needed_bytes": needed_memory,
-            "memory_available_bytes": available}
+    return {
+        "disk_needed_bytes": needed_disk,
+        "disk_free_bytes": free_disk,
+        "memory_needed_bytes": needed_memory,
+        "memory_available_bytes": available,
+    }

@@ -343,8 +343,11 @@ def clean_stale_downloads(repo_id: str, log: Callable[[str], None]) -> list[Path
     from huggingface_hub import constants
 
     blobs = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}" / "blobs"
-    stale = [p for p in blobs.glob("*.incomplete") if time.time() - p.stat().st_mtime > STALE_DOWNLOAD_SECONDS] \
-        if blobs.exists() else []
+    stale = (
+        [p for p in blobs.glob("*.incomplete") if time.time() - p.stat().st_mtime > STALE_DOWNLOAD_SECONDS]
+        if blobs.exists()
+        else []
+    )
     for path in stale:
         path.unlink(missing_ok=True)
     if stale:
@@ -354,7 +357,11 @@ def clean_stale_downloads(repo_id: str, log: Callable[[str], None]) -> list[Path
 
 
 def download_from_hub(
-    repo_id: str, revision: str, *, allow_pickle: bool, progress: Callable[[int, int], None] | None = None,
+    repo_id: str,
+    revision: str,
+    *,
+    allow_pickle: bool,
+    progress: Callable[[int, int], None] | None = None,
     log: Callable[[str], None] = print,
 ) -> tuple[Path, str]:
     """Download a snapshot with huggingface_hub (resumable, cached; HF_HUB_OFFLINE honoured)."""
@@ -410,7 +417,9 @@ def hub_sha256(repo_id: str, commit: str) -> dict[str, str]:
         entries = HfApi().list_repo_tree(repo_id, revision=commit, recursive=True)
         return {e.path: e.lfs.sha256 for e in entries if isinstance(e, RepoFile) and e.lfs is not None}
     except Exception as exc:  # the download succeeded; a failed listing only means we cannot cross-check
-        raise QuantforgeError(f"could not list {repo_id}@{commit[:12]} to verify the download: {_first_line(exc)}") from None
+        raise QuantforgeError(
+            f"could not list {repo_id}@{commit[:12]} to verify the download: {_first_line(exc)}"
+        ) from None
 
 
 def verify_against_hub(files: dict, expected: dict[str, str], folder: Path) -> None:

@@ -99,15 +99,15 @@ def make_runner_lm(runner, tokenizer, max_length: int):
             if not context_ids:
                 prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
                 return [prefix], whole
-            return whole[: len(context_ids)], whole[len(context_ids):]
+            return whole[: len(context_ids)], whole[len(context_ids) :]
 
         def loglikelihood(self, requests, disable_tqdm: bool = False):
             results = []
             for request in requests:
                 context_ids, continuation_ids = self._encode_pair(*request.args)
-                tokens = (context_ids + continuation_ids)[-(max_length + 1):]
+                tokens = (context_ids + continuation_ids)[-(max_length + 1) :]
                 logits = runner.logits(np.asarray(tokens[:-1], dtype=np.int32))
-                scored = logits[-len(continuation_ids):]
+                scored = logits[-len(continuation_ids) :]
                 logp = log_softmax(scored)
                 targets = np.asarray(continuation_ids)
                 total = float(logp[np.arange(len(targets)), targets].sum())
@@ -124,8 +124,15 @@ def make_runner_lm(runner, tokenizer, max_length: int):
     return RunnerLM()
 
 
-def run_task(runner, tokenizer_dir: Path, name: str, data_dir: Path | None, limit: int | None, work_dir: Path,
-             max_length: int = 2048) -> dict:
+def run_task(
+    runner,
+    tokenizer_dir: Path,
+    name: str,
+    data_dir: Path | None,
+    limit: int | None,
+    work_dir: Path,
+    max_length: int = 2048,
+) -> dict:
     """Score one task; return accuracy, its standard error and how it was measured."""
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -140,7 +147,10 @@ def run_task(runner, tokenizer_dir: Path, name: str, data_dir: Path | None, limi
         tasks=[mapping[name]],
         task_manager=TaskManager(include_path=str(configs), include_defaults=False),
         limit=limit,
-        random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
+        random_seed=0,
+        numpy_random_seed=0,
+        torch_random_seed=0,
+        fewshot_random_seed=0,
         log_samples=False,
     )
     scores = results["results"][mapping[name]]

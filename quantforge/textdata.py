@@ -40,8 +40,13 @@ class Text:
         return hashlib.sha256(self.joined.encode()).hexdigest()
 
     def describe(self) -> dict:
-        return {"name": self.name, "source": self.source, "documents": len(self.documents),
-                "characters": len(self.joined), "sha256": self.sha256}
+        return {
+            "name": self.name,
+            "source": self.source,
+            "documents": len(self.documents),
+            "characters": len(self.joined),
+            "sha256": self.sha256,
+        }
 
 
 def known_texts() -> dict[str, Path]:
@@ -87,14 +92,16 @@ def _load_definition(name: str, path: Path) -> Text:
         if function:
             documents = getattr(module, function)()
         else:  # a dict of texts, like pydoc_data.topics.topics
-            topics = getattr(module, "topics")
+            topics = module.topics
             documents = [topics[key] for key in sorted(topics)]
         return Text(name, documents, f"python {definition['builtin']}", joiner)
     hub_offline()  # with no Hub in reach, datasets goes to its cache at once instead of retrying for ~25 s
     try:
         import datasets
     except ImportError:
-        raise QuantforgeError(f"the text '{name}' is loaded through the datasets package: pip install datasets") from None
+        raise QuantforgeError(
+            f"the text '{name}' is loaded through the datasets package: pip install datasets"
+        ) from None
     kwargs = {"split": definition.get("split", "test")}
     if definition.get("data_files"):
         kwargs["data_files"] = definition["data_files"]
@@ -129,14 +136,84 @@ def load_text(spec: str) -> Text:
 
 # Modules whose docstrings are long, plain English; the list is fixed so the corpus is the same on every run.
 _DOCSTRING_MODULES = (
-    "argparse", "asyncio", "collections", "concurrent.futures", "contextlib", "csv", "dataclasses", "datetime",
-    "decimal", "difflib", "email", "enum", "fractions", "functools", "heapq", "http.client", "inspect", "io",
-    "ipaddress", "itertools", "json", "logging", "mailbox", "multiprocessing", "os", "pathlib", "pickle", "random",
-    "re", "shutil", "socket", "sqlite3", "statistics", "string", "subprocess", "tarfile", "textwrap", "threading",
-    "typing", "unittest", "urllib.parse", "urllib.request", "uuid", "zipfile", "ast", "calendar", "codecs",
-    "configparser", "copy", "doctest", "ftplib", "gettext", "glob", "gzip", "hashlib", "imaplib", "locale",
-    "numbers", "operator", "optparse", "pdb", "pprint", "pydoc", "queue", "sched", "secrets", "selectors", "shelve",
-    "smtplib", "ssl", "struct", "tempfile", "tokenize", "trace", "traceback", "wave", "weakref", "xml.dom.minidom",
+    "argparse",
+    "asyncio",
+    "collections",
+    "concurrent.futures",
+    "contextlib",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "email",
+    "enum",
+    "fractions",
+    "functools",
+    "heapq",
+    "http.client",
+    "inspect",
+    "io",
+    "ipaddress",
+    "itertools",
+    "json",
+    "logging",
+    "mailbox",
+    "multiprocessing",
+    "os",
+    "pathlib",
+    "pickle",
+    "random",
+    "re",
+    "shutil",
+    "socket",
+    "sqlite3",
+    "statistics",
+    "string",
+    "subprocess",
+    "tarfile",
+    "textwrap",
+    "threading",
+    "typing",
+    "unittest",
+    "urllib.parse",
+    "urllib.request",
+    "uuid",
+    "zipfile",
+    "ast",
+    "calendar",
+    "codecs",
+    "configparser",
+    "copy",
+    "doctest",
+    "ftplib",
+    "gettext",
+    "glob",
+    "gzip",
+    "hashlib",
+    "imaplib",
+    "locale",
+    "numbers",
+    "operator",
+    "optparse",
+    "pdb",
+    "pprint",
+    "pydoc",
+    "queue",
+    "sched",
+    "secrets",
+    "selectors",
+    "shelve",
+    "smtplib",
+    "ssl",
+    "struct",
+    "tempfile",
+    "tokenize",
+    "trace",
+    "traceback",
+    "wave",
+    "weakref",
+    "xml.dom.minidom",
 )
 
 
@@ -155,7 +232,9 @@ def stdlib_docstrings() -> list[str]:
             if member_name.startswith("_"):
                 continue
             member = getattr(module, member_name, None)
-            if (inspect.isclass(member) or inspect.isfunction(member)) and getattr(member, "__module__", "") == module.__name__:
+            if (inspect.isclass(member) or inspect.isfunction(member)) and getattr(
+                member, "__module__", ""
+            ) == module.__name__:
                 doc = inspect.getdoc(member)
                 if doc:
                     parts.append(doc)

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -82,9 +81,29 @@ def python_snippet(code: str, *argv: str) -> list[str]:
 
 
 def build_seconds(model: Path, formats: str, out: Path, samples: int, seqlen: int, text: str) -> float:
-    command = [sys.executable, "-m", "quantforge.cli", "build", str(model), "--formats", formats, "--out", str(out),
-               "--calib-samples", str(samples), "--calib-seqlen", str(seqlen), "--eval-text", text,
-               "--ppl-context", "256", "--ppl-windows", "4", "--group-size", "auto"]
+    command = [
+        sys.executable,
+        "-m",
+        "quantforge.cli",
+        "build",
+        str(model),
+        "--formats",
+        formats,
+        "--out",
+        str(out),
+        "--calib-samples",
+        str(samples),
+        "--calib-seqlen",
+        str(seqlen),
+        "--eval-text",
+        text,
+        "--ppl-context",
+        "256",
+        "--ppl-windows",
+        "4",
+        "--group-size",
+        "auto",
+    ]
     started = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
@@ -105,36 +124,52 @@ def main() -> int:
         scratch = Path(scratch)
         model = args.model
         if model is None:
-            from quantforge.source import BUNDLED
             from tiny_models import build_tiny_model
 
-            model = build_tiny_model("llama", BUNDLED["smollm2-135m"](print), scratch / "tiny-llama")
-        from quantforge.backends.hf import resolve_group_size
-        from quantforge.calibration import CalibrationSettings, load_calibration_text, sample_sequences, tokenize_documents
-        from quantforge.source import model_facts
+            from quantforge.source import BUNDLED
 
+            model = build_tiny_model("llama", BUNDLED["smollm2-135m"](print), scratch / "tiny-llama")
         import numpy as np
+
+        from quantforge.backends.hf import resolve_group_size
+        from quantforge.calibration import (
+            CalibrationSettings,
+            load_calibration_text,
+            sample_sequences,
+            tokenize_documents,
+        )
+        from quantforge.source import model_facts
 
         group, _ = resolve_group_size(model_facts(model), "auto")
         text = load_calibration_text("auto")
-        calibration = sample_sequences(tokenize_documents(model, text.documents),
-                                       CalibrationSettings(samples=args.samples, seqlen=args.seqlen))
+        calibration = sample_sequences(
+            tokenize_documents(model, text.documents), CalibrationSettings(samples=args.samples, seqlen=args.seqlen)
+        )
         calib_path = scratch / "calibration.npy"
         np.save(calib_path, calibration)
         print(f"model {model.name}, calibration {text.name} {args.samples} x {args.seqlen}, group {group}")
-        print(f"{'format':<10} {'direct s':>9} {'ours s':>9} {'time ratio':>10} {'direct MB':>10} {'ours MB':>9} "
-              f"{'RSS ratio':>9}")
+        print(
+            f"{'format':<10} {'direct s':>9} {'ours s':>9} {'time ratio':>10} {'direct MB':>10} {'ours MB':>9} "
+            f"{'RSS ratio':>9}"
+        )
         for fmt, code in DIRECT.items():
             direct = timed(python_snippet(code, str(model), str(calib_path), str(scratch / f"d-{fmt}"), str(group)))
-            ours = timed(python_snippet(VIA_QUANTFORGE, str(model), str(calib_path), str(scratch / f"q-{fmt}"),
-                                        str(group), fmt))
-            print(f"{fmt:<10} {direct[0]:>9.1f} {ours[0]:>9.1f} {ours[0] / direct[0]:>10.3f} {direct[1]:>10.0f} "
-                  f"{ours[1]:>9.0f} {ours[1] / direct[1]:>9.3f}")
+            ours = timed(
+                python_snippet(VIA_QUANTFORGE, str(model), str(calib_path), str(scratch / f"q-{fmt}"), str(group), fmt)
+            )
+            print(
+                f"{fmt:<10} {direct[0]:>9.1f} {ours[0]:>9.1f} {ours[0] / direct[0]:>10.3f} {direct[1]:>10.0f} "
+                f"{ours[1]:>9.0f} {ours[1] / direct[1]:>9.3f}"
+            )
         formats = ["gptq-int4", "gptq-int8", "awq", "int8"]
         together = build_seconds(model, ",".join(formats), scratch / "all", args.samples, args.seqlen, args.text)
-        apart = sum(build_seconds(model, f, scratch / f"one-{f}", args.samples, args.seqlen, args.text) for f in formats)
-        print(f"one build of {len(formats)} formats: {together:.1f} s; {len(formats)} single-format builds: "
-              f"{apart:.1f} s; ratio {together / apart:.3f} (goal <= 0.8)")
+        apart = sum(
+            build_seconds(model, f, scratch / f"one-{f}", args.samples, args.seqlen, args.text) for f in formats
+        )
+        print(
+            f"one build of {len(formats)} formats: {together:.1f} s; {len(formats)} single-format builds: "
+            f"{apart:.1f} s; ratio {together / apart:.3f} (goal <= 0.8)"
+        )
     return 0
 
 

@@ -43,8 +43,22 @@ def llama_cpp_tree() -> Path:
     if tree.exists():
         return tree
     base.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                    f"llama-cpp-python=={version}", "-d", str(base)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            f"llama-cpp-python=={version}",
+            "-d",
+            str(base),
+        ],
+        check=True,
+        capture_output=True,
+    )
     with tarfile.open(base / f"llama_cpp_python-{version}.tar.gz") as archive:
         archive.extractall(base, filter="data")
     return tree
@@ -53,8 +67,12 @@ def llama_cpp_tree() -> Path:
 def run_llama_cpp_converter(model: Path, out: Path) -> None:
     tree = llama_cpp_tree()
     env = {**os.environ, "PYTHONPATH": str(tree / "gguf-py")}  # its own gguf-py, not pip's gguf
-    result = subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(model), "--outtype", "f16",
-                             "--outfile", str(out)], env=env, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(model), "--outtype", "f16", "--outfile", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if result.returncode != 0:
         sys.exit(f"llama.cpp's converter failed:\n{result.stderr[-3000:]}")
 
@@ -69,8 +87,14 @@ def read_gguf(path: Path) -> tuple[dict, dict]:
             continue
         value = field.contents()
         metadata[key] = value
-    tensors = {t.name: (t.tensor_type.name, tuple(int(x) for x in t.shape), hashlib.sha256(
-        np.ascontiguousarray(t.data).tobytes()).hexdigest()) for t in reader.tensors}
+    tensors = {
+        t.name: (
+            t.tensor_type.name,
+            tuple(int(x) for x in t.shape),
+            hashlib.sha256(np.ascontiguousarray(t.data).tobytes()).hexdigest(),
+        )
+        for t in reader.tensors
+    }
     return metadata, tensors
 
 
@@ -95,10 +119,14 @@ def compare(ours: Path, theirs: Path, label: str) -> int:
     differing = sorted(k for k in meta_keys if not k.startswith(NAMING_PREFIX) and our_meta.get(k) != their_meta.get(k))
     for key in differing:
         problems += 1
-        print(f"  [{label}] metadata {key}: quantforge={str(our_meta.get(key))[:80]!r} "
-              f"llama.cpp={str(their_meta.get(key))[:80]!r}")
-    print(f"[{label}] metadata: {len(meta_keys) - len(naming) - len(differing)} keys equal, "
-          f"{len(differing)} differ, {len(naming)} naming keys differ ({', '.join(naming) or 'none'})")
+        print(
+            f"  [{label}] metadata {key}: quantforge={str(our_meta.get(key))[:80]!r} "
+            f"llama.cpp={str(their_meta.get(key))[:80]!r}"
+        )
+    print(
+        f"[{label}] metadata: {len(meta_keys) - len(naming) - len(differing)} keys equal, "
+        f"{len(differing)} differ, {len(naming)} naming keys differ ({', '.join(naming) or 'none'})"
+    )
     return problems
 
 
@@ -116,8 +144,9 @@ def main() -> int:
         run_llama_cpp_converter(model, theirs)
         problems = compare(ours, theirs, "F16")
         for source in (ours, theirs):
-            quantize_gguf(source, source.with_name(source.stem.replace("f16", "q4km") + ".gguf"), 15, 2,
-                          work / "quantize.log")
+            quantize_gguf(
+                source, source.with_name(source.stem.replace("f16", "q4km") + ".gguf"), 15, 2, work / "quantize.log"
+            )
         problems += compare(work / "quantforge-q4km.gguf", work / "llama.cpp-q4km.gguf", "Q4_K_M")
     print("PARITY OK" if problems == 0 else f"PARITY FAILED: {problems} differences")
     return 0 if problems == 0 else 1

@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from llamacpp_tools import tool  # noqa: E402
+
 from quantforge.backends.llamacpp import LlamaCppRunner, quantize_gguf  # noqa: E402
 from quantforge.evaluate import compare_window, reference_window  # noqa: E402
 
@@ -41,11 +42,12 @@ def ours(base: Path, quant: Path, text: str, n_ctx: int, chunks: int, threads: i
     vocab.close()
     chunks = min(chunks, len(tokens) // n_ctx)
     first = n_ctx // 2
-    runners = {name: LlamaCppRunner(path, context=n_ctx, threads=threads) for name, path in (("base", base),
-                                                                                              ("quant", quant))}
+    runners = {
+        name: LlamaCppRunner(path, context=n_ctx, threads=threads) for name, path in (("base", base), ("quant", quant))
+    }
     kld, agree = [], []
     for index in range(chunks):
-        window = tokens[index * n_ctx:(index + 1) * n_ctx].copy()
+        window = tokens[index * n_ctx : (index + 1) * n_ctx].copy()
         if add_bos:
             window[0] = runners["base"].llm.token_bos()
         base_logits = runners["base"].logits(window)[first:]
@@ -63,10 +65,17 @@ def theirs(base: Path, quant: Path, text_file: Path, n_ctx: int, chunks: int, th
     perplexity = tool("llama-perplexity")
     logits = work / "base.kld"
     common = ["-f", str(text_file), "-c", str(n_ctx), "-b", str(n_ctx), "--chunks", str(chunks), "-t", str(threads)]
-    subprocess.run([str(perplexity), "-m", str(base), *common, "--kl-divergence-base", str(logits)], check=True,
-                   capture_output=True)
-    done = subprocess.run([str(perplexity), "-m", str(quant), *common, "--kl-divergence-base", str(logits),
-                           "--kl-divergence"], check=True, capture_output=True, text=True)
+    subprocess.run(
+        [str(perplexity), "-m", str(base), *common, "--kl-divergence-base", str(logits)],
+        check=True,
+        capture_output=True,
+    )
+    done = subprocess.run(
+        [str(perplexity), "-m", str(quant), *common, "--kl-divergence-base", str(logits), "--kl-divergence"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     output = done.stdout + done.stderr
     kld = float(re.search(r"Mean\s+KLD:\s+([0-9.]+)", output).group(1))
     top1 = float(re.search(r"Same top p:\s+([0-9.]+)", output).group(1)) / 100
@@ -77,7 +86,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", type=Path, help="F16 GGUF (default: SmolLM2-135M converted by quantforge)")
     parser.add_argument("--quant", type=Path, help="quantized GGUF (default: Q4_K_M of the base)")
-    parser.add_argument("--text", type=Path, default=ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw")
+    parser.add_argument(
+        "--text", type=Path, default=ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+    )
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)

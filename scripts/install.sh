@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# Install quantforge and everything its default formats need into .venv (idempotent: a second run is quick).
+# Install quantforge and everything its formats need into .venv (idempotent: a second run is quick).
+#   ./scripts/install.sh        the product
+#   ./scripts/install.sh test   also what the tests need beyond Python: Go (its text/template renders Ollama
+#                               TEMPLATEs exactly as Ollama does), from the system's packages when it is missing
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-python3}"
@@ -20,3 +23,11 @@ if ! llama_ok; then
 fi
 
 "${pip[@]}" -e ".[all]"
+
+if [ "${1:-}" = "test" ] && ! command -v go >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    apt-get install -y -q golang-go >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q golang-go >/dev/null; }
+  else
+    echo "install Go (golang-go) for the Modelfile template tests" >&2
+  fi
+fi

@@ -17,9 +17,19 @@ sys.path.insert(0, str(ROOT))
 
 from quantforge.source import cache_root  # noqa: E402
 
-CMAKE_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
-               "-DGGML_BMI2=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-               "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_BUILD_TYPE=Release"]
+CMAKE_FLAGS = [
+    "-DGGML_NATIVE=OFF",
+    "-DGGML_AVX=ON",
+    "-DGGML_AVX2=ON",
+    "-DGGML_FMA=ON",
+    "-DGGML_F16C=ON",
+    "-DGGML_BMI2=ON",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DCMAKE_BUILD_TYPE=Release",
+]
 
 
 def source_tree() -> Path:
@@ -28,8 +38,22 @@ def source_tree() -> Path:
     tree = base / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
     if not tree.exists():
         base.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        f"llama-cpp-python=={version}", "-d", str(base)], check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"llama-cpp-python=={version}",
+                "-d",
+                str(base),
+            ],
+            check=True,
+            capture_output=True,
+        )
         with tarfile.open(base / f"llama_cpp_python-{version}.tar.gz") as archive:
             archive.extractall(base, filter="data")
     return tree
@@ -42,10 +66,14 @@ def tool(name: str) -> Path:
     binary = build / "bin" / name
     if not binary.exists():
         print(f"building {name} from {tree} (once; several minutes)", file=sys.stderr)
-        subprocess.run(["cmake", "-S", str(tree), "-B", str(build), *CMAKE_FLAGS], check=True,
-                       stdout=subprocess.DEVNULL)
-        subprocess.run(["cmake", "--build", str(build), "--target", name, "-j", str(os.cpu_count() or 2)],
-                       check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            ["cmake", "-S", str(tree), "-B", str(build), *CMAKE_FLAGS], check=True, stdout=subprocess.DEVNULL
+        )
+        subprocess.run(
+            ["cmake", "--build", str(build), "--target", name, "-j", str(os.cpu_count() or 2)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     return binary
 
 

@@ -52,7 +52,11 @@ def quantforge_cli(*args: str, cwd: Path | None = None, env: dict | None = None,
     """Run the installed CLI in a subprocess, as a user would."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "quantforge.cli", *args], cwd=cwd, env=full_env, capture_output=True, text=True,
+        [sys.executable, "-m", "quantforge.cli", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
         timeout=timeout,
     )
 
@@ -62,14 +66,26 @@ def read_json(path: Path) -> dict:
 
 
 # Small, fast evaluation settings for tiny-model builds: real text, few windows.
-FAST_EVAL = ["--eval-text", str(WIKITEXT), "--ppl-context", "128", "--ppl-windows", "4", "--threads", "2",
-             "--no-speed"]
+FAST_EVAL = ["--eval-text", str(WIKITEXT), "--ppl-context", "128", "--ppl-windows", "4", "--threads", "2", "--no-speed"]
 TASKS_DATA = SHARED_DATA / "tasks"
 TINY_FORMATS = "gguf-f16,gguf-q8_0,gguf-q4km"
 # The shared tiny run also scores three lm-eval tasks on a few examples and probes decode speed.
-TINY_RUN_ARGS = ["--formats", TINY_FORMATS, *FAST_EVAL, "--tasks", "arc_easy,winogrande,lambada",
-                 "--tasks-data", str(TASKS_DATA), "--limit", "12", "--speed", "--prompt-tokens", "32",
-                 "--gen-tokens", "16"]
+TINY_RUN_ARGS = [
+    "--formats",
+    TINY_FORMATS,
+    *FAST_EVAL,
+    "--tasks",
+    "arc_easy,winogrande,lambada",
+    "--tasks-data",
+    str(TASKS_DATA),
+    "--limit",
+    "12",
+    "--speed",
+    "--prompt-tokens",
+    "32",
+    "--gen-tokens",
+    "16",
+]
 
 
 @pytest.fixture(scope="session")

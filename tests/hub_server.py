@@ -19,8 +19,13 @@ CHUNK = 64 * 1024
 
 
 class FakeHub:
-    def __init__(self, repos: dict[str, Path], delay_per_chunk: float = 0.0, lfs_sha_override: dict | None = None,
-                 drop_after_bytes: int | None = None):
+    def __init__(
+        self,
+        repos: dict[str, Path],
+        delay_per_chunk: float = 0.0,
+        lfs_sha_override: dict | None = None,
+        drop_after_bytes: int | None = None,
+    ):
         self.repos = {name: folder for name, folder in repos.items()}
         self.commits = {name: hashlib.sha1(name.encode()).hexdigest() for name in repos}
         self.delay_per_chunk = delay_per_chunk
@@ -100,17 +105,33 @@ class FakeHub:
                 folder = hub.repos[repo]
                 if kind == "info":
                     siblings = [{"rfilename": p.relative_to(folder).as_posix()} for p in hub._files(repo)]
-                    return self._json({"id": repo, "modelId": repo, "sha": commit, "siblings": siblings,
-                                       "private": False, "gated": False, "disabled": False})
+                    return self._json(
+                        {
+                            "id": repo,
+                            "modelId": repo,
+                            "sha": commit,
+                            "siblings": siblings,
+                            "private": False,
+                            "gated": False,
+                            "disabled": False,
+                        }
+                    )
                 if kind == "tree":
                     entries = []
                     for file in hub._files(repo):
                         rel = file.relative_to(folder).as_posix()
-                        entry = {"type": "file", "path": rel, "size": file.stat().st_size,
-                                 "oid": hashlib.sha1(file.read_bytes()).hexdigest()}
+                        entry = {
+                            "type": "file",
+                            "path": rel,
+                            "size": file.stat().st_size,
+                            "oid": hashlib.sha1(file.read_bytes()).hexdigest(),
+                        }
                         if file.suffix == ".safetensors":
-                            entry["lfs"] = {"oid": hub.lfs_sha_override.get(rel, _sha256(file)),
-                                            "size": file.stat().st_size, "pointerSize": 134}
+                            entry["lfs"] = {
+                                "oid": hub.lfs_sha_override.get(rel, _sha256(file)),
+                                "size": file.stat().st_size,
+                                "pointerSize": 134,
+                            }
                         entries.append(entry)
                     return self._json(entries)
                 if kind == "file":
@@ -152,7 +173,7 @@ class FakeHub:
                         self.close_connection = True
                         return
                     try:
-                        self.wfile.write(data[offset:offset + CHUNK])
+                        self.wfile.write(data[offset : offset + CHUNK])
                     except (BrokenPipeError, ConnectionResetError):
                         return
                     if hub.delay_per_chunk:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import FAST_EVAL, quantforge_cli, read_json
+
 from quantforge.backends.llamacpp import tensor_types
 
 
@@ -12,9 +12,22 @@ from quantforge.backends.llamacpp import tensor_types
 def both_run(tiny_llama, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "gguf-both"
     # HF_HUB_OFFLINE: auto-round must not reach for its default calibration set on the Hub.
-    result = quantforge_cli("build", str(tiny_llama), "--formats", "gguf-q4km,gguf-q5km", "--backend",
-                            "llamacpp,autoround", "--out", str(out), *FAST_EVAL, "--calib-samples", "8",
-                            "--calib-seqlen", "128", env={"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"})
+    result = quantforge_cli(
+        "build",
+        str(tiny_llama),
+        "--formats",
+        "gguf-q4km,gguf-q5km",
+        "--backend",
+        "llamacpp,autoround",
+        "--out",
+        str(out),
+        *FAST_EVAL,
+        "--calib-samples",
+        "8",
+        "--calib-seqlen",
+        "128",
+        env={"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
@@ -48,8 +61,10 @@ def test_the_card_says_which_of_two_equal_size_files_is_better(both_run):
     assert set(pairs) == {"gguf-q4km", "gguf-q5km"}
     for pair in pairs.values():
         assert pair["kld_ratio"] <= 1.0 and abs(pair["size_ratio"] - 1) < 0.01
-        assert f"**{pair['better']}** is closer to the reference than {pair['worse']}" in \
-            (both_run / "card.md").read_text()
+        assert (
+            f"**{pair['better']}** is closer to the reference than {pair['worse']}"
+            in (both_run / "card.md").read_text()
+        )
 
 
 def test_calibrated_files_load_and_generate_in_llama_cpp(both_run):

@@ -7,9 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import FAST_EVAL, quantforge_cli, tree_digest
-
 
 pytestmark = pytest.mark.reliability
 

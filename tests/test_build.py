@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import shutil
 
-from conftest import TINY_FORMATS as FORMATS, TINY_RUN_ARGS, quantforge_cli, read_json
+from conftest import TINY_FORMATS as FORMATS
+from conftest import TINY_RUN_ARGS, quantforge_cli, read_json
+
 from quantforge.fsutil import file_records
 
 
@@ -53,7 +55,9 @@ def test_each_gguf_loads_in_llama_cpp_and_generates(tiny_run):
 def test_manifest_records_inputs_outputs_and_timings(tiny_run):
     manifest = read_json(tiny_run / "run.json")
     stages = manifest["stages"]
-    for key in ["fetch", "tokens", "reference", "intermediate/gguf-f16"] + [f"quantize/{f}" for f in FORMATS.split(",")]:
+    for key in ["fetch", "tokens", "reference", "intermediate/gguf-f16"] + [
+        f"quantize/{f}" for f in FORMATS.split(",")
+    ]:
         assert key in stages, key
         record = stages[key]
         assert record["input_digest"] and record["seconds"] >= 0 and record["host"]["cpus"]

@@ -10,8 +10,8 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-
 from conftest import FAST_EVAL, REPO, quantforge_cli, read_json
+
 from quantforge.decide import Candidate, Targets, decide
 
 CALIBRATION = ["--calib-samples", "8", "--calib-seqlen", "128"]
@@ -21,8 +21,16 @@ CALIBRATION = ["--calib-samples", "8", "--calib-seqlen", "128"]
 def mixed_run(tiny_llama, tmp_path_factory) -> Path:
     """INT8, INT4 and GGUF formats of the tiny model, measured for real: the fixture the decision tests use."""
     out = tmp_path_factory.mktemp("runs") / "mixed"
-    result = quantforge_cli("build", str(tiny_llama), "--formats", "int8,gptq-int8,gptq-int4,gguf-q8_0,gguf-q4km",
-                            "--out", str(out), *FAST_EVAL, *CALIBRATION)
+    result = quantforge_cli(
+        "build",
+        str(tiny_llama),
+        "--formats",
+        "int8,gptq-int8,gptq-int4,gguf-q8_0,gguf-q4km",
+        "--out",
+        str(out),
+        *FAST_EVAL,
+        *CALIBRATION,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
@@ -34,8 +42,10 @@ def card_with(run: Path, *flags: str) -> dict:
 
 
 def candidates_of(card: dict) -> list[Candidate]:
-    return [Candidate(e["key"], e["family"], tuple(e["runtimes"]), e["bits_per_weight"], e["size_bytes"],
-                      e["metrics"]) for e in card["formats"]]
+    return [
+        Candidate(e["key"], e["family"], tuple(e["runtimes"]), e["bits_per_weight"], e["size_bytes"], e["metrics"])
+        for e in card["formats"]
+    ]
 
 
 def test_int8_wins_over_int4_when_both_meet_the_targets(mixed_run):
@@ -87,8 +97,9 @@ def test_a_target_that_was_not_measured_is_never_met(mixed_run):
 def test_nothing_meets_the_targets_names_the_closest(mixed_run):
     decision = card_with(mixed_run, "--max-kld", "1e-12")["decision"]
     assert decision["recommended"] is None
-    assert decision["closest"].startswith(min(card_with(mixed_run)["formats"],
-                                              key=lambda e: e["metrics"]["kld_mean"])["key"] + " comes closest")
+    assert decision["closest"].startswith(
+        min(card_with(mixed_run)["formats"], key=lambda e: e["metrics"]["kld_mean"])["key"] + " comes closest"
+    )
 
 
 def test_memory_fit_on_a_gpu(mixed_run):
@@ -135,9 +146,22 @@ def test_unfinished_run_says_which_command_completes_it(tiny_llama, tmp_path):
     import time
 
     run = tmp_path / "unfinished"
-    process = subprocess.Popen([sys.executable, "-m", "quantforge.cli", "build", str(tiny_llama), "--formats",
-                                "gguf-q8_0", "--out", str(run), *FAST_EVAL], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "quantforge.cli",
+            "build",
+            str(tiny_llama),
+            "--formats",
+            "gguf-q8_0",
+            "--out",
+            str(run),
+            *FAST_EVAL,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     while process.poll() is None and not (run / "run.json").exists():
         time.sleep(0.01)
     os.kill(process.pid, signal.SIGKILL)
@@ -198,9 +222,13 @@ def test_model_cards_and_deployment_files(mixed_run):
 
 
 def _go_render(template: str, messages: list[dict]) -> str:
-    result = subprocess.run(["go", "run", str(REPO / "tests" / "go" / "render_template.go")],
-                            input=json.dumps({"template": template, "messages": messages}), capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        ["go", "run", str(REPO / "tests" / "go" / "render_template.go")],
+        input=json.dumps({"template": template, "messages": messages}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -214,11 +242,15 @@ def test_modelfile_template_matches_the_chat_template(tiny_run, tiny_llama, with
 
     modelfile = next((tiny_run / "artifacts").glob("gguf-q8_0/Modelfile")).read_text()
     template = re.search(r'TEMPLATE """(.*?)"""', modelfile, re.S).group(1)
-    messages = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."},
-                {"role": "user", "content": "And 3+3?"}]
+    messages = [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "And 3+3?"},
+    ]
     if with_system:
         messages.insert(0, {"role": "system", "content": "Answer briefly."})
-    expected = AutoTokenizer.from_pretrained(tiny_llama).apply_chat_template(messages, tokenize=False,
-                                                                              add_generation_prompt=True)
+    expected = AutoTokenizer.from_pretrained(tiny_llama).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
     assert _go_render(template, messages) == expected
     assert 'PARAMETER stop "<|im_end|>"' in modelfile

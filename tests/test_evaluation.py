@@ -7,8 +7,8 @@ import shutil
 
 import numpy as np
 import pytest
-
 from conftest import FAST_EVAL, TASKS_DATA, quantforge_cli, read_json
+
 from quantforge.evaluate import compare_window, reference_window
 from quantforge.runners import TorchRunner
 
@@ -65,15 +65,37 @@ def test_speed_probe_and_roofline(tiny_run):
 
 
 def test_unknown_task_is_a_clear_error(tiny_llama, tmp_path):
-    result = quantforge_cli("build", str(tiny_llama), "--formats", "gguf-q8_0", "--tasks", "mmlu_pro",
-                            "--tasks-data", str(TASKS_DATA), "--out", str(tmp_path / "r"), *FAST_EVAL)
+    result = quantforge_cli(
+        "build",
+        str(tiny_llama),
+        "--formats",
+        "gguf-q8_0",
+        "--tasks",
+        "mmlu_pro",
+        "--tasks-data",
+        str(TASKS_DATA),
+        "--out",
+        str(tmp_path / "r"),
+        *FAST_EVAL,
+    )
     assert result.returncode == 2
-    assert "error: unknown task 'mmlu_pro'; known tasks: arc_easy, hellaswag, lambada, piqa, winogrande" in result.stderr
+    assert (
+        "error: unknown task 'mmlu_pro'; known tasks: arc_easy, hellaswag, lambada, piqa, winogrande" in result.stderr
+    )
 
 
 def test_tasks_without_data_say_which_option_to_use(tiny_llama, tmp_path):
-    result = quantforge_cli("build", str(tiny_llama), "--formats", "gguf-q8_0", "--tasks", "arc_easy",
-                            "--out", str(tmp_path / "r"), *FAST_EVAL)
+    result = quantforge_cli(
+        "build",
+        str(tiny_llama),
+        "--formats",
+        "gguf-q8_0",
+        "--tasks",
+        "arc_easy",
+        "--out",
+        str(tmp_path / "r"),
+        *FAST_EVAL,
+    )
     assert result.returncode == 2 and "--tasks-data DIR" in result.stderr
 
 
@@ -83,8 +105,19 @@ def test_malformed_task_file_names_the_row(tiny_llama, tmp_path):
     rows = [json.loads(line) for line in (TASKS_DATA / "arc_easy.jsonl").read_text().splitlines()[:5]]
     del rows[3]["gold"]
     (data / "arc_easy.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    result = quantforge_cli("build", str(tiny_llama), "--formats", "gguf-q8_0", "--tasks", "arc_easy",
-                            "--tasks-data", str(data), "--out", str(tmp_path / "r"), *FAST_EVAL)
+    result = quantforge_cli(
+        "build",
+        str(tiny_llama),
+        "--formats",
+        "gguf-q8_0",
+        "--tasks",
+        "arc_easy",
+        "--tasks-data",
+        str(data),
+        "--out",
+        str(tmp_path / "r"),
+        *FAST_EVAL,
+    )
     assert result.returncode == 2
     assert f"{data / 'arc_easy.jsonl'}:4 lacks the field 'gold'" in result.stderr
 
@@ -97,8 +130,19 @@ def test_finished_evaluations_survive_a_failed_task_stage(tiny_run, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(TASKS_DATA, data)
     (data / "piqa_valid.jsonl").write_text('{"goal": "x"}\n')
-    result = quantforge_cli("build", before["fetch"]["result"]["path"], "--formats", "gguf-q8_0", "--out", str(run),
-                            *FAST_EVAL, "--tasks", "piqa", "--tasks-data", str(data))
+    result = quantforge_cli(
+        "build",
+        before["fetch"]["result"]["path"],
+        "--formats",
+        "gguf-q8_0",
+        "--out",
+        str(run),
+        *FAST_EVAL,
+        "--tasks",
+        "piqa",
+        "--tasks-data",
+        str(data),
+    )
     assert result.returncode == 2 and "lacks the field 'sol1'" in result.stderr
     after = read_json(run / "run.json")["stages"]
     assert after == before

@@ -13,8 +13,40 @@ from quantforge.evaluate import log_softmax
 from quantforge.gguf_convert import convert_hf_to_gguf
 from quantforge.runners import TorchRunner
 
-PROMPT_IDS = np.array([504, 3458, 282, 4649, 314, 7042, 30, 378, 1345, 282, 260, 3767, 10215, 314, 1182, 216,
-                       34, 32, 34, 36, 28, 284, 357, 2744, 281, 253, 1345, 30, 1], dtype=np.int32)
+PROMPT_IDS = np.array(
+    [
+        504,
+        3458,
+        282,
+        4649,
+        314,
+        7042,
+        30,
+        378,
+        1345,
+        282,
+        260,
+        3767,
+        10215,
+        314,
+        1182,
+        216,
+        34,
+        32,
+        34,
+        36,
+        28,
+        284,
+        357,
+        2744,
+        281,
+        253,
+        1345,
+        30,
+        1,
+    ],
+    dtype=np.int32,
+)
 
 
 def _kl(reference_logits: np.ndarray, logits: np.ndarray) -> float:
@@ -51,8 +83,9 @@ def test_f16_gguf_matches_transformers_on_smollm2(smollm2_dir, tmp_path):
     runner = LlamaCppRunner(out, context=64, threads=2)
     try:
         ours = runner.logits(PROMPT_IDS)
-        text = runner.llm.create_chat_completion([{"role": "user", "content": "What is the capital of France?"}],
-                                                 max_tokens=12, temperature=0)["choices"][0]["message"]["content"]
+        text = runner.llm.create_chat_completion(
+            [{"role": "user", "content": "What is the capital of France?"}], max_tokens=12, temperature=0
+        )["choices"][0]["message"]["content"]
     finally:
         runner.close()
     assert _kl(reference, ours) < 1e-3

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import FAST_EVAL, quantforge_cli, read_json
 from hub_server import FakeHub
 
@@ -16,33 +15,55 @@ def hub_env(tmp_path):
 def test_build_from_the_hub_then_offline_from_the_cache(tiny_llama, tmp_path, hub_env):
     with FakeHub({"acme/tiny-llama": tiny_llama}) as hub:
         env = {**hub_env, "HF_ENDPOINT": hub.endpoint}
-        result = quantforge_cli("build", "acme/tiny-llama", "--formats", "gguf-q8_0", "--out", str(tmp_path / "run"),
-                                *FAST_EVAL, env=env)
+        result = quantforge_cli(
+            "build", "acme/tiny-llama", "--formats", "gguf-q8_0", "--out", str(tmp_path / "run"), *FAST_EVAL, env=env
+        )
         assert result.returncode == 0, result.stderr
-        assert any(r.startswith("GET /acme/tiny-llama/resolve/") and r.endswith("model.safetensors")
-                   for r in hub.requests)
+        assert any(
+            r.startswith("GET /acme/tiny-llama/resolve/") and r.endswith("model.safetensors") for r in hub.requests
+        )
         commit = hub.commits["acme/tiny-llama"]
     model = read_json(tmp_path / "run" / "card.json")["model"]
     assert model["hub_id"] == "acme/tiny-llama" and model["revision"] == commit
     assert "hf-home" in model["path"]  # the standard HF cache, not a copy of ours
     # The server is gone: the same command works offline from the cache and redoes nothing.
-    offline = quantforge_cli("build", "acme/tiny-llama", "--formats", "gguf-q8_0", "--out", str(tmp_path / "run"),
-                             *FAST_EVAL, env={**hub_env, "HF_HUB_OFFLINE": "1"})
+    offline = quantforge_cli(
+        "build",
+        "acme/tiny-llama",
+        "--formats",
+        "gguf-q8_0",
+        "--out",
+        str(tmp_path / "run"),
+        *FAST_EVAL,
+        env={**hub_env, "HF_HUB_OFFLINE": "1"},
+    )
     assert offline.returncode == 0, offline.stderr
     assert "evaluate gguf-q8_0 (done earlier" in offline.stderr
 
 
 def test_unknown_repo_is_a_clear_error(tiny_llama, tmp_path, hub_env):
     with FakeHub({"acme/tiny-llama": tiny_llama}) as hub:
-        result = quantforge_cli("build", "acme/missing", "--out", str(tmp_path / "run"), *FAST_EVAL,
-                                env={**hub_env, "HF_ENDPOINT": hub.endpoint})
+        result = quantforge_cli(
+            "build",
+            "acme/missing",
+            "--out",
+            str(tmp_path / "run"),
+            *FAST_EVAL,
+            env={**hub_env, "HF_ENDPOINT": hub.endpoint},
+        )
     assert result.returncode == 2
     assert "error: no model 'acme/missing' on the Hub" in result.stderr
 
 
 def test_a_download_that_does_not_match_the_hub_sha256_is_refused(tiny_llama, tmp_path, hub_env):
     with FakeHub({"acme/tiny-llama": tiny_llama}, lfs_sha_override={"model.safetensors": "0" * 64}) as hub:
-        result = quantforge_cli("build", "acme/tiny-llama", "--out", str(tmp_path / "run"), *FAST_EVAL,
-                                env={**hub_env, "HF_ENDPOINT": hub.endpoint})
+        result = quantforge_cli(
+            "build",
+            "acme/tiny-llama",
+            "--out",
+            str(tmp_path / "run"),
+            *FAST_EVAL,
+            env={**hub_env, "HF_ENDPOINT": hub.endpoint},
+        )
     assert result.returncode == 2
     assert "does not match the sha256 the Hub records" in result.stderr

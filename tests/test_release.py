@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import WIKITEXT, quantforge_cli, read_json
+
 from quantforge.fsutil import PARTIAL_MARKER, file_records
 
 
@@ -21,9 +21,12 @@ def write_release(path: Path, out: Path, models: list[dict]) -> Path:
     release = {
         "name": path.stem,
         "out": str(out),
-        "defaults": {"formats": ["gguf-q8_0", "gguf-q4km"], "speed": False,
-                     "eval": {"text": str(WIKITEXT), "context": 128, "windows": 4, "threads": 1},
-                     "calibration": {"samples": 8, "seqlen": 128}},
+        "defaults": {
+            "formats": ["gguf-q8_0", "gguf-q4km"],
+            "speed": False,
+            "eval": {"text": str(WIKITEXT), "context": 128, "windows": 4, "threads": 1},
+            "calibration": {"samples": 8, "seqlen": 128},
+        },
         "models": models,
     }
     path.write_text(yaml.safe_dump(release, sort_keys=False))
@@ -32,8 +35,10 @@ def write_release(path: Path, out: Path, models: list[dict]) -> Path:
 
 @pytest.fixture(scope="module")
 def models(tiny_llama, tiny_qwen2):
-    return [{"model": str(tiny_llama), "formats": ["gguf-q8_0", "gptq-int4"]},
-            {"model": str(tiny_qwen2), "formats": ["gguf-q8_0", "gguf-q5km"]}]
+    return [
+        {"model": str(tiny_llama), "formats": ["gguf-q8_0", "gptq-int4"]},
+        {"model": str(tiny_qwen2), "formats": ["gguf-q8_0", "gguf-q5km"]},
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +51,10 @@ def local_release(models, tmp_path_factory):
 
 
 def _quality(card: dict) -> list:
-    return [(e["key"], e["size_bytes"], {k: v for k, v in e["metrics"].items() if k != "decode_tps"})
-            for e in card["formats"]]
+    return [
+        (e["key"], e["size_bytes"], {k: v for k, v in e["metrics"].items() if k != "decode_tps"})
+        for e in card["formats"]
+    ]
 
 
 def test_local_release_writes_a_card_per_model(local_release):
@@ -79,16 +86,20 @@ def test_rerun_redoes_nothing(local_release):
     assert statuses == {"skipped (done earlier)"}
     for name, stages in before.items():
         after = read_json(out / name / "run.json")["stages"]
-        assert {k: v["started"] for k, v in after.items() if k != "fetch"} == \
-            {k: v["started"] for k, v in stages.items() if k != "fetch"}
+        assert {k: v["started"] for k, v in after.items() if k != "fetch"} == {
+            k: v["started"] for k, v in stages.items() if k != "fetch"
+        }
 
 
 def test_one_failing_model_does_not_stop_the_others(tiny_llama, tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
-    path = write_release(tmp_path / "release.yaml", tmp_path / "out",
-                         [{"model": str(broken)}, {"model": str(tiny_llama), "formats": ["gguf-q8_0"]}])
+    path = write_release(
+        tmp_path / "release.yaml",
+        tmp_path / "out",
+        [{"model": str(broken)}, {"model": str(tiny_llama), "formats": ["gguf-q8_0"]}],
+    )
     result = quantforge_cli("release", str(path))
     assert result.returncode == 1
     assert "failed: broken/prepare:" in result.stderr and "is not a causal LM" in result.stderr
@@ -109,8 +120,12 @@ def test_ray_release_survives_a_killed_worker_and_equals_the_local_one(models, l
     pytest.importorskip("ray")
     path = write_release(tmp_path / "release.yaml", tmp_path / "out", models)
     run = tmp_path / "out" / "tiny-llama"
-    process = subprocess.Popen([sys.executable, "-m", "quantforge.cli", "release", str(path), "--executor", "ray",
-                                "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "quantforge.cli", "release", str(path), "--executor", "ray", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     killed = None
     deadline = time.monotonic() + 600
     while process.poll() is None and time.monotonic() < deadline and killed is None:
@@ -124,7 +139,7 @@ def test_ray_release_survives_a_killed_worker_and_equals_the_local_one(models, l
     assert process.returncode == 0, stderr[-3000:]
     # Ray's raylet reports the dead worker and the retry on the driver's stdout, before our JSON.
     assert "will be retried" in stdout, stdout[:2000]
-    outcomes = {o["unit"]: o["status"] for o in json.loads(stdout[stdout.index("\n{") + 1:])["outcomes"]}
+    outcomes = {o["unit"]: o["status"] for o in json.loads(stdout[stdout.index("\n{") + 1 :])["outcomes"]}
     assert outcomes["tiny-llama/quantize/gptq-int4"] == "done"  # retried on another worker after the kill
     _, local_out = local_release
     for name in ("tiny-llama", "tiny-qwen2"):
@@ -133,9 +148,22 @@ def test_ray_release_survives_a_killed_worker_and_equals_the_local_one(models, l
         assert ours["decision"] == theirs["decision"]
         for entry in ours["formats"]:
             key = entry["key"]
-            assert file_records(tmp_path / "out" / name / "artifacts" / key / next(
-                (tmp_path / "out" / name / "artifacts" / key).glob("*.*")).name) is not None
-            weights = "model.safetensors" if key.startswith("gptq") else next(
-                (local_out / name / "artifacts" / key).glob("*.gguf")).name
-            assert file_records(tmp_path / "out" / name / "artifacts" / key / weights) == \
-                file_records(local_out / name / "artifacts" / key / weights), (name, key)
+            assert (
+                file_records(
+                    tmp_path
+                    / "out"
+                    / name
+                    / "artifacts"
+                    / key
+                    / next((tmp_path / "out" / name / "artifacts" / key).glob("*.*")).name
+                )
+                is not None
+            )
+            weights = (
+                "model.safetensors"
+                if key.startswith("gptq")
+                else next((local_out / name / "artifacts" / key).glob("*.gguf")).name
+            )
+            assert file_records(tmp_path / "out" / name / "artifacts" / key / weights) == file_records(
+                local_out / name / "artifacts" / key / weights
+            ), (name, key)

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import FAST_EVAL, TINY_RUN_ARGS, WIKITEXT, quantforge_cli, read_json, tree_digest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import FAST_EVAL, TINY_RUN_ARGS, WIKITEXT, quantforge_cli, read_json, tree_digest
 from quantforge.errors import QuantforgeError
 from quantforge.fsutil import PARTIAL_MARKER, file_records, find_partials
 
@@ -39,10 +39,15 @@ def _wait_for(predicate, process, timeout=300.0) -> bool:
 def test_sigint_during_quantization_stops_cleanly_and_resumes(tiny_llama, tmp_path):
     run = tmp_path / "run"
     args = ["--formats", "gptq-int4", *FAST_EVAL, "--calib-samples", "8", "--calib-seqlen", "128"]
-    process = subprocess.Popen(_build_command(tiny_llama, run, *args), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    partial = lambda: (run / "artifacts").exists() and any(  # noqa: E731
-        PARTIAL_MARKER in p.name for p in (run / "artifacts").iterdir())
+    process = subprocess.Popen(
+        _build_command(tiny_llama, run, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    partial = lambda: (
+        (run / "artifacts").exists()
+        and any(
+            PARTIAL_MARKER in p.name for p in (run / "artifacts").iterdir()
+        )
+    )
     assert _wait_for(partial, process), "quantization never started"
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=300)
@@ -59,8 +64,20 @@ def test_sigint_during_quantization_stops_cleanly_and_resumes(tiny_llama, tmp_pa
 
 def test_layer_resume_mode_quantizes_and_leaves_no_local_path(tiny_llama, tmp_path):
     run = tmp_path / "run"
-    result = quantforge_cli("build", str(tiny_llama), "--out", str(run), "--formats", "gptq-int4", "--layer-resume",
-                            *FAST_EVAL, "--calib-samples", "8", "--calib-seqlen", "128")
+    result = quantforge_cli(
+        "build",
+        str(tiny_llama),
+        "--out",
+        str(run),
+        "--formats",
+        "gptq-int4",
+        "--layer-resume",
+        *FAST_EVAL,
+        "--calib-samples",
+        "8",
+        "--calib-seqlen",
+        "128",
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     config = (run / "artifacts" / "gptq-int4" / "config.json").read_text()
     assert '"offload_to_disk": true' in config and str(run) not in config
@@ -69,12 +86,25 @@ def test_layer_resume_mode_quantizes_and_leaves_no_local_path(tiny_llama, tmp_pa
 
 def test_evaluation_killed_half_way_resumes_at_the_window_where_it_stopped(tiny_llama, tiny_run, tmp_path):
     run = tmp_path / "run"
-    args = ["--formats", "gguf-q8_0", "--eval-text", str(WIKITEXT), "--ppl-context", "128", "--ppl-windows", "200",
-            "--threads", "2", "--no-speed"]
-    process = subprocess.Popen(_build_command(tiny_llama, run, *args), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-    progress = lambda: any((run / "work" / "progress").glob("reference-*.npz")) \
-        if (run / "work" / "progress").exists() else False  # noqa: E731
+    args = [
+        "--formats",
+        "gguf-q8_0",
+        "--eval-text",
+        str(WIKITEXT),
+        "--ppl-context",
+        "128",
+        "--ppl-windows",
+        "200",
+        "--threads",
+        "2",
+        "--no-speed",
+    ]
+    process = subprocess.Popen(
+        _build_command(tiny_llama, run, *args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    progress = lambda: (
+        any((run / "work" / "progress").glob("reference-*.npz")) if (run / "work" / "progress").exists() else False
+    )
     assert _wait_for(progress, process)
     time.sleep(0.3)
     process.kill()
@@ -129,8 +159,9 @@ def test_full_disk_is_refused_up_front_with_the_numbers(tiny_llama, tmp_path):
     disk = tmp_path / "small"
     _mount_tmpfs(disk, "8M")
     try:
-        result = quantforge_cli("build", str(tiny_llama), "--formats", "gguf-q8_0,gguf-q4km", "--out",
-                                str(disk / "run"), *FAST_EVAL)
+        result = quantforge_cli(
+            "build", str(tiny_llama), "--formats", "gguf-q8_0,gguf-q4km", "--out", str(disk / "run"), *FAST_EVAL
+        )
         assert result.returncode == 2, result.stderr[-2000:]
         assert "not enough disk at" in result.stderr and "GB is free" in result.stderr
         assert not (disk / "run" / "artifacts").exists()
@@ -175,8 +206,9 @@ def test_a_dropped_connection_resumes_the_download_with_a_range_request(tiny_lla
     # huggingface_hub reads 10 MB at a time: cut the connection after two such chunks have been written.
     with FakeHub({"acme/tiny-llama": tiny_llama}, drop_after_bytes=30_000_000) as hub:
         env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_XET": "1", "HF_ENDPOINT": hub.endpoint}
-        result = quantforge_cli("build", "acme/tiny-llama", "--formats", "gguf-q8_0", "--out", str(tmp_path / "run"),
-                                *FAST_EVAL, env=env)
+        result = quantforge_cli(
+            "build", "acme/tiny-llama", "--formats", "gguf-q8_0", "--out", str(tmp_path / "run"), *FAST_EVAL, env=env
+        )
     assert result.returncode == 0, result.stderr[-2000:]
     assert any(r.startswith("bytes=") and r != "bytes=0-" for r in hub.ranges), hub.ranges
     weights = read_json(tmp_path / "run" / "card.json")["model"]["files"]["model.safetensors"]
@@ -193,11 +225,18 @@ def test_download_killed_half_way_completes_on_restart(tiny_llama, tiny_run, tmp
     blobs = tmp_path / "hf" / "hub" / "models--acme--tiny-llama" / "blobs"
     with FakeHub({"acme/tiny-llama": tiny_llama}, delay_per_chunk=0.05) as hub:
         env["HF_ENDPOINT"] = hub.endpoint
-        process = subprocess.Popen([sys.executable, "-m", "quantforge.cli", "build", "acme/tiny-llama", "--out",
-                                    str(run), *TINY_RUN_ARGS], env=env, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL)
-        half = lambda: blobs.exists() and any(  # noqa: E731
-            p.name.endswith(".incomplete") and p.stat().st_size > 2_000_000 for p in blobs.iterdir())
+        process = subprocess.Popen(
+            [sys.executable, "-m", "quantforge.cli", "build", "acme/tiny-llama", "--out", str(run), *TINY_RUN_ARGS],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        half = lambda: (
+            blobs.exists()
+            and any(
+                p.name.endswith(".incomplete") and p.stat().st_size > 2_000_000 for p in blobs.iterdir()
+            )
+        )
         assert _wait_for(half, process, timeout=120)
         process.kill()
         process.wait()
@@ -210,13 +249,22 @@ def test_download_killed_half_way_completes_on_restart(tiny_llama, tiny_run, tmp
     assert "removed 1 partial download(s) of acme/tiny-llama" in result.stderr
     assert not list(blobs.glob("*.incomplete"))
     for key in ("gguf-f16", "gguf-q8_0", "gguf-q4km"):
-        assert file_records(next((run / "artifacts" / key).glob("*.gguf"))) == \
-            file_records(next((tiny_run / "artifacts" / key).glob("*.gguf")))
+        assert file_records(next((run / "artifacts" / key).glob("*.gguf"))) == file_records(
+            next((tiny_run / "artifacts" / key).glob("*.gguf"))
+        )
 
 
 def test_trust_remote_code_is_recorded_on_the_card(tiny_llama, tmp_path):
-    result = quantforge_cli("build", str(tiny_llama), "--formats", "gguf-q8_0", "--trust-remote-code", "--out",
-                            str(tmp_path / "run"), *FAST_EVAL)
+    result = quantforge_cli(
+        "build",
+        str(tiny_llama),
+        "--formats",
+        "gguf-q8_0",
+        "--trust-remote-code",
+        "--out",
+        str(tmp_path / "run"),
+        *FAST_EVAL,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert read_json(tmp_path / "run" / "card.json")["model"]["trust_remote_code"] is True
     assert "trust_remote_code was ON" in (tmp_path / "run" / "card.md").read_text()
@@ -230,8 +278,17 @@ def test_allowed_pickle_weights_are_converted(tiny_llama, tmp_path):
     shutil.copytree(tiny_llama, folder)
     torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")
     (folder / "model.safetensors").unlink()
-    result = quantforge_cli("build", str(folder), "--formats", "gguf-q8_0", "--allow-pickle", "--out",
-                            str(tmp_path / "run"), *FAST_EVAL, env={"QUANTFORGE_CACHE": str(tmp_path / "cache")})
+    result = quantforge_cli(
+        "build",
+        str(folder),
+        "--formats",
+        "gguf-q8_0",
+        "--allow-pickle",
+        "--out",
+        str(tmp_path / "run"),
+        *FAST_EVAL,
+        env={"QUANTFORGE_CACHE": str(tmp_path / "cache")},
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     card = read_json(tmp_path / "run" / "card.json")
     assert card["model"]["config"]["converted_from_pickle"]
@@ -256,15 +313,21 @@ def test_fuzz_recipe_loader(tmp_path, text):
         pass
 
 
-YAML_VALUES = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False),
-                                     st.text(max_size=20)),
-                           lambda children: st.lists(children, max_size=3) |
-                           st.dictionaries(st.text(max_size=10), children, max_size=3), max_leaves=10)
+YAML_VALUES = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=20)),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=10), children, max_size=3),
+    max_leaves=10,
+)
 
 
 @FUZZ
-@given(st.dictionaries(st.sampled_from(["model", "formats", "eval", "targets", "quantize", "calibration", "name",
-                                        "x"]), YAML_VALUES, max_size=5))
+@given(
+    st.dictionaries(
+        st.sampled_from(["model", "formats", "eval", "targets", "quantize", "calibration", "name", "x"]),
+        YAML_VALUES,
+        max_size=5,
+    )
+)
 def test_fuzz_recipe_structure(tmp_path, data):
     import yaml
 
@@ -292,11 +355,20 @@ def test_fuzz_safetensors_header(tmp_path, body, length):
 
 
 @FUZZ
-@given(st.dictionaries(st.text(max_size=8), st.fixed_dictionaries({
-    "dtype": st.sampled_from(["F32", "F16", "I8", "Q4", 3]),
-    "shape": st.lists(st.integers(min_value=-2, max_value=5), max_size=3),
-    "data_offsets": st.lists(st.integers(min_value=-5, max_value=200), max_size=3)}), max_size=4),
-    st.integers(min_value=0, max_value=200))
+@given(
+    st.dictionaries(
+        st.text(max_size=8),
+        st.fixed_dictionaries(
+            {
+                "dtype": st.sampled_from(["F32", "F16", "I8", "Q4", 3]),
+                "shape": st.lists(st.integers(min_value=-2, max_value=5), max_size=3),
+                "data_offsets": st.lists(st.integers(min_value=-5, max_value=200), max_size=3),
+            }
+        ),
+        max_size=4,
+    ),
+    st.integers(min_value=0, max_value=200),
+)
 def test_fuzz_safetensors_header_structure(tmp_path, header, padding):
     from quantforge.artifacts import safetensors_header
 
@@ -320,8 +392,7 @@ def test_fuzz_gguf_header(tmp_path, small_gguf, data):
     from quantforge.artifacts import gguf_tensors
 
     cut = data.draw(st.integers(min_value=0, max_value=len(small_gguf)))
-    flips = data.draw(st.lists(st.tuples(st.integers(min_value=0, max_value=4095), st.integers(0, 255)),
-                               max_size=8))
+    flips = data.draw(st.lists(st.tuples(st.integers(min_value=0, max_value=4095), st.integers(0, 255)), max_size=8))
     body = bytearray(small_gguf[:cut])
     for position, value in flips:
         if position < len(body):

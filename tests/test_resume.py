@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 import json
 import os
 import signal
@@ -12,9 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import FAST_EVAL, TINY_FORMATS, TINY_RUN_ARGS, quantforge_cli, read_json
-from quantforge.fsutil import PARTIAL_MARKER, file_records, find_partials
 
+from quantforge.fsutil import PARTIAL_MARKER, file_records, find_partials
 
 pytestmark = pytest.mark.reliability
 
@@ -45,8 +44,9 @@ def test_sigkill_at_several_points_then_resume(tiny_llama, tiny_run, tmp_path):
     command = [sys.executable, "-m", "quantforge.cli", "build", str(tiny_llama), "--out", str(run), *TINY_RUN_ARGS]
     triggers = [
         lambda r: "tokens" in _stages(r),  # during the reference evaluation
-        lambda r: any(PARTIAL_MARKER in p.name for p in (r / "artifacts").glob("*")) if (r / "artifacts").exists()
-        else False,  # while an artifact is half-written
+        lambda r: (
+            any(PARTIAL_MARKER in p.name for p in (r / "artifacts").glob("*")) if (r / "artifacts").exists() else False
+        ),  # while an artifact is half-written
         lambda r: "quantize/gguf-q8_0" in _stages(r),  # between quantization and evaluation
     ]
     kills = 0
@@ -65,6 +65,7 @@ def test_sigkill_at_several_points_then_resume(tiny_llama, tiny_run, tmp_path):
     ours, reference = read_json(run / "card.json"), read_json(tiny_run / "card.json")
     for key in TINY_FORMATS.split(","):
         assert file_records(run / "artifacts" / key) == file_records(tiny_run / "artifacts" / key), key
+
     def quality(card):  # speed figures are timings: they differ between any two runs
         return [{k: v for k, v in e["metrics"].items() if k != "decode_tps"} for e in card["formats"]]
 
@@ -75,8 +76,18 @@ def test_sigkill_at_several_points_then_resume(tiny_llama, tiny_run, tmp_path):
 
 def test_a_second_build_into_the_same_directory_is_refused(tiny_llama, tmp_path):
     run = tmp_path / "locked"
-    command = [sys.executable, "-m", "quantforge.cli", "build", str(tiny_llama), "--formats", "gguf-q8_0",
-               "--out", str(run), *FAST_EVAL]
+    command = [
+        sys.executable,
+        "-m",
+        "quantforge.cli",
+        "build",
+        str(tiny_llama),
+        "--formats",
+        "gguf-q8_0",
+        "--out",
+        str(run),
+        *FAST_EVAL,
+    ]
     first = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, quantforge_cli, read_json
 
 pytestmark = pytest.mark.slow
@@ -17,9 +16,22 @@ def test_readme_build_of_the_bundled_model(tmp_path):
     run = tmp_path / "smollm2"
     # One run of the one small model covers the README's GGUF job and a calibrated format with the group-size
     # fallback that SmolLM2's width 576 needs.
-    result = quantforge_cli("build", "smollm2-135m", "--formats", "gguf-f16,gguf-q8_0,gguf-q5km,gguf-q4km,gptq-int4",
-                            "--group-size", "auto", "--calib-samples", "8", "--calib-seqlen", "128",
-                            "--out", str(run), env={"HF_HUB_OFFLINE": "1"}, timeout=1800)
+    result = quantforge_cli(
+        "build",
+        "smollm2-135m",
+        "--formats",
+        "gguf-f16,gguf-q8_0,gguf-q5km,gguf-q4km,gptq-int4",
+        "--group-size",
+        "auto",
+        "--calib-samples",
+        "8",
+        "--calib-seqlen",
+        "128",
+        "--out",
+        str(run),
+        env={"HF_HUB_OFFLINE": "1"},
+        timeout=1800,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     card = read_json(run / "card.json")
     reference = card["reference"]["perplexity"]
@@ -43,8 +55,9 @@ def test_readme_build_of_the_bundled_model(tmp_path):
 
 
 def test_gguf_parity_script_reports_identical_tensors():
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "check_gguf_parity.py")], capture_output=True,
-                            text=True, timeout=1800)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "check_gguf_parity.py")], capture_output=True, text=True, timeout=1800
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "[F16] tensors: 272 of 272 byte-identical" in result.stdout
     assert "[Q4_K_M] tensors: 272 of 272 byte-identical" in result.stdout

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import FAST_EVAL, quantforge_cli, read_json
 from safetensors import safe_open
 
-from conftest import FAST_EVAL, quantforge_cli, read_json
 from quantforge.dequant import dequantized_state_dict
 
 TORCH_FORMATS = "gptq-int4,gptq-int8,awq,int8"
@@ -20,8 +20,9 @@ CALIBRATION = ["--calib-samples", "8", "--calib-seqlen", "128"]
 @pytest.fixture(scope="module")
 def torch_run(tiny_llama, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("runs") / "torch-formats"
-    result = quantforge_cli("build", str(tiny_llama), "--formats", TORCH_FORMATS, "--out", str(out), *FAST_EVAL,
-                            *CALIBRATION)
+    result = quantforge_cli(
+        "build", str(tiny_llama), "--formats", TORCH_FORMATS, "--out", str(out), *FAST_EVAL, *CALIBRATION
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
@@ -110,8 +111,18 @@ def test_artifact_loads_in_transformers_and_generates(torch_run, key):
 
 def test_llmcompressor_writes_gptq_as_compressed_tensors(tiny_llama, tmp_path):
     out = tmp_path / "run"
-    result = quantforge_cli("build", str(tiny_llama), "--formats", "gptq-int4", "--backend", "llmcompressor",
-                            "--out", str(out), *FAST_EVAL, *CALIBRATION)
+    result = quantforge_cli(
+        "build",
+        str(tiny_llama),
+        "--formats",
+        "gptq-int4",
+        "--backend",
+        "llmcompressor",
+        "--out",
+        str(out),
+        *FAST_EVAL,
+        *CALIBRATION,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     folder = out / "artifacts" / "gptq-int4@llmcompressor"
     quant = json.loads((folder / "config.json").read_text())["quantization_config"]
@@ -122,8 +133,9 @@ def test_llmcompressor_writes_gptq_as_compressed_tensors(tiny_llama, tmp_path):
 
 
 def test_group_size_that_does_not_divide_is_refused_up_front(smollm2_dir, tmp_path):
-    result = quantforge_cli("build", str(smollm2_dir), "--formats", "gptq-int4,awq", "--out", str(tmp_path / "r"),
-                            *FAST_EVAL, *CALIBRATION)
+    result = quantforge_cli(
+        "build", str(smollm2_dir), "--formats", "gptq-int4,awq", "--out", str(tmp_path / "r"), *FAST_EVAL, *CALIBRATION
+    )
     assert result.returncode == 2
     assert "group size 128 does not divide the input width of self_attn.{q,k,v}_proj (576)" in result.stderr
     assert "group sizes that divide every layer: 64, 32, 16" in result.stderr
@@ -131,8 +143,17 @@ def test_group_size_that_does_not_divide_is_refused_up_front(smollm2_dir, tmp_pa
 
 
 def test_missing_calibration_file_is_a_clear_error(tiny_llama, tmp_path):
-    result = quantforge_cli("build", str(tiny_llama), "--formats", "gptq-int4", "--calibration",
-                            str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "r"), *FAST_EVAL)
+    result = quantforge_cli(
+        "build",
+        str(tiny_llama),
+        "--formats",
+        "gptq-int4",
+        "--calibration",
+        str(tmp_path / "nope.jsonl"),
+        "--out",
+        str(tmp_path / "r"),
+        *FAST_EVAL,
+    )
     assert result.returncode == 2
     assert "calibration set" in result.stderr and "--calibration FILE" in result.stderr
 
@@ -140,7 +161,17 @@ def test_missing_calibration_file_is_a_clear_error(tiny_llama, tmp_path):
 def test_too_small_calibration_set_is_a_clear_error(tiny_llama, tmp_path):
     small = tmp_path / "small.txt"
     small.write_text("just a few words of calibration text")
-    result = quantforge_cli("build", str(tiny_llama), "--formats", "gptq-int4", "--calibration", str(small),
-                            "--out", str(tmp_path / "r"), *FAST_EVAL, *CALIBRATION)
+    result = quantforge_cli(
+        "build",
+        str(tiny_llama),
+        "--formats",
+        "gptq-int4",
+        "--calibration",
+        str(small),
+        "--out",
+        str(tmp_path / "r"),
+        *FAST_EVAL,
+        *CALIBRATION,
+    )
     assert result.returncode == 2
     assert "fewer than the 1024 asked for (8 samples x 128 tokens)" in result.stderr

@@ -46,8 +46,7 @@ class LogitsRunner(Protocol):
     def logits(self, tokens: np.ndarray) -> np.ndarray:  # [n, vocab] float32
         ...
 
-    def close(self) -> None:
-        ...
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -141,13 +140,13 @@ def resolve_formats(
     known = sorted({f for backend in backends.values() for f in backend.formats})
     for backend_name in backend_names or []:
         if backend_name not in backends:
-            raise QuantforgeError(
-                f"unknown backend '{backend_name}'; known backends: {', '.join(sorted(backends))}"
-            )
+            raise QuantforgeError(f"unknown backend '{backend_name}'; known backends: {', '.join(sorted(backends))}")
     choices: list[Choice] = []
     for name in names:
         if name not in known:
-            raise QuantforgeError(f"unknown format '{name}'; known formats: {', '.join(known)} (see 'quantforge formats')")
+            raise QuantforgeError(
+                f"unknown format '{name}'; known formats: {', '.join(known)} (see 'quantforge formats')"
+            )
         default = default_backend_name(name, backends)
         wanted = [b for b in (backend_names or []) if name in backends[b].formats] or [default]
         for backend_name in wanted:

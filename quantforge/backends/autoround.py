@@ -13,7 +13,7 @@ from __future__ import annotations
 import shutil
 
 from . import QuantizeJob
-from .hf import set_threads, load_calibration
+from .hf import load_calibration, set_threads
 from .llamacpp import FILE_TYPES, LlamaCppBackend, _gguf_format, tensor_types
 
 SCHEMES = {"gguf-q8_0": "gguf:q8_0", "gguf-q6k": "gguf:q6_k", "gguf-q5km": "gguf:q5_k_m", "gguf-q4km": "gguf:q4_k_m"}
@@ -46,10 +46,19 @@ class AutoRoundBackend(LlamaCppBackend):
         texts = [tokenizer.decode(row) for row in calibration]
         iters = int(job.settings.get("autoround_iters", DEFAULT_ITERS))
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_pretrained(job.source.path, dtype="auto",
-                                                     trust_remote_code=job.source.trust_remote_code)
-        rounder = AutoRound(model, tokenizer, scheme=scheme, iters=iters, nsamples=len(texts),
-                            seqlen=int(calibration.shape[1]), dataset=texts, seed=0)
+        model = AutoModelForCausalLM.from_pretrained(
+            job.source.path, dtype="auto", trust_remote_code=job.source.trust_remote_code
+        )
+        rounder = AutoRound(
+            model,
+            tokenizer,
+            scheme=scheme,
+            iters=iters,
+            nsamples=len(texts),
+            seqlen=int(calibration.shape[1]),
+            dataset=texts,
+            seed=0,
+        )
         export = job.out.with_name(job.out.name + "-export")
         try:
             rounder.quantize_and_save(str(export), format=scheme)
@@ -61,6 +70,11 @@ class AutoRoundBackend(LlamaCppBackend):
             shutil.move(str(written[0]), target)
         finally:
             shutil.rmtree(export, ignore_errors=True)
-        return {"library": "auto-round", "scheme": scheme, "iters": iters, "calibration_samples": len(texts),
-                "calibration_seqlen": int(calibration.shape[1]),
-                "tensor_types": dict(Counter(tensor_types(target).values()))}
+        return {
+            "library": "auto-round",
+            "scheme": scheme,
+            "iters": iters,
+            "calibration_samples": len(texts),
+            "calibration_seqlen": int(calibration.shape[1]),
+            "tensor_types": dict(Counter(tensor_types(target).values())),
+        }

@@ -13,11 +13,10 @@ artifacts reproducible.
 from __future__ import annotations
 
 import os
-
 from pathlib import Path
 
 from . import Format, QuantizeJob
-from .hf import set_threads, VLLM_RUNTIMES, HFFolderBackend, load_calibration, move_logs
+from .hf import VLLM_RUNTIMES, HFFolderBackend, load_calibration, move_logs, set_threads
 
 FORMATS = {
     "gptq-int4": Format("gptq-int4", "hf", "GPTQ W4A16", VLLM_RUNTIMES, 4.25, "GPTQ 4-bit (vLLM, transformers)"),
@@ -64,14 +63,18 @@ class GPTQModelBackend(HFFolderBackend):
         # offload on; the offload folder then goes into the run's work folder, not a random temporary one.
         # Off unless asked (--layer-resume): measured on a tiny llama killed half way, the resumed checkpoint
         # differed from an uninterrupted run's in 18 packed tensors, while a restart from scratch is byte-identical.
-        resumable = (job.settings.get("layer_resume") and job.checkpoint_dir is not None
-                     and job.source.config.get("model_type") == "llama")
+        resumable = (
+            job.settings.get("layer_resume")
+            and job.checkpoint_dir is not None
+            and job.source.config.get("model_type") == "llama"
+        )
         offload = {"offload_to_disk": resumable}
         if resumable:
             offload["offload_to_disk_path"] = str(job.checkpoint_dir / "offload")
         if job.format.name == "awq":
-            config = QuantizeConfig(bits=bits, group_size=group_size, quant_method="awq", format="gemm", sym=False,
-                                    **offload)
+            config = QuantizeConfig(
+                bits=bits, group_size=group_size, quant_method="awq", format="gemm", sym=False, **offload
+            )
         else:
             config = QuantizeConfig(bits=bits, group_size=group_size, desc_act=act_order, sym=True, **offload)
         from gptqmodel.looper import loop_processor
@@ -79,11 +82,17 @@ class GPTQModelBackend(HFFolderBackend):
         # GPTQModel writes per-layer logs to ./logs of whatever directory it runs in: keep them in the run.
         loop_processor._PROJECT_LOG_DIR = job.log_dir / "gptqmodel"
         calibration = load_calibration(job.calibration)
-        samples = [{"input_ids": torch.as_tensor(row, dtype=torch.long)[None],
-                    "attention_mask": torch.ones(1, len(row), dtype=torch.long)} for row in calibration]
+        samples = [
+            {
+                "input_ids": torch.as_tensor(row, dtype=torch.long)[None],
+                "attention_mask": torch.ones(1, len(row), dtype=torch.long),
+            }
+            for row in calibration
+        ]
         torch.manual_seed(0)
-        model = GPTQModel.load(str(job.source.path), config, dtype=torch.bfloat16,
-                               trust_remote_code=job.source.trust_remote_code)
+        model = GPTQModel.load(
+            str(job.source.path), config, dtype=torch.bfloat16, trust_remote_code=job.source.trust_remote_code
+        )
         checkpoint = None
         if resumable:
             # GPTQModel's own resume: finished layers are kept in the checkpoint folder, and a run killed half way
@@ -95,8 +104,13 @@ class GPTQModelBackend(HFFolderBackend):
         model.save(str(job.out))
         _drop_local_paths(job.out)
         move_logs(job.out, job.log_dir, job.format.name, ("quant_log.csv",))
-        facts = {"library": "gptqmodel", "bits": bits, "group_size": group_size, "calibration_samples":
-                 int(calibration.shape[0]), "calibration_seqlen": int(calibration.shape[1])}
+        facts = {
+            "library": "gptqmodel",
+            "bits": bits,
+            "group_size": group_size,
+            "calibration_samples": int(calibration.shape[0]),
+            "calibration_seqlen": int(calibration.shape[1]),
+        }
         if job.format.name != "awq":
             facts["act_order"] = act_order
         if note:

@@ -38,11 +38,17 @@ def resolve_group_size(config: dict, requested) -> tuple[int, str | None]:
     dividing = [g for g in GROUP_CANDIDATES if all(w % g == 0 for w in widths.values())]
     if requested in (None, "auto"):
         if not dividing:
-            raise QuantforgeError(f"no group size in {GROUP_CANDIDATES} divides the layer widths {sorted(set(widths.values()))}")
+            raise QuantforgeError(
+                f"no group size in {GROUP_CANDIDATES} divides the layer widths {sorted(set(widths.values()))}"
+            )
         chosen = dividing[0]
-        note = None if chosen == GROUP_CANDIDATES[0] else (
-            f"group size {GROUP_CANDIDATES[0]} does not divide every layer width "
-            f"({', '.join(f'{k}: {w}' for k, w in widths.items() if w % GROUP_CANDIDATES[0])}); used {chosen}"
+        note = (
+            None
+            if chosen == GROUP_CANDIDATES[0]
+            else (
+                f"group size {GROUP_CANDIDATES[0]} does not divide every layer width "
+                f"({', '.join(f'{k}: {w}' for k, w in widths.items() if w % GROUP_CANDIDATES[0])}); used {chosen}"
+            )
         )
         return chosen, note
     group = int(requested)

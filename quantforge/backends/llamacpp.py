@@ -9,6 +9,7 @@ import os
 import re
 from collections import Counter
 from pathlib import Path
+
 import numpy as np
 
 from ..errors import QuantforgeError

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import Format, QuantizeJob
-from .hf import set_threads, VLLM_RUNTIMES, HFFolderBackend, load_calibration
+from .hf import VLLM_RUNTIMES, HFFolderBackend, load_calibration, set_threads
 
 FORMATS = {
     "int8": Format("int8", "hf", "W8A8 INT8", VLLM_RUNTIMES, 8.1, "INT8 weights and activations (vLLM)"),
@@ -47,8 +47,12 @@ class LLMCompressorBackend(HFFolderBackend):
 
         set_threads(job.threads)
         calibration = load_calibration(job.calibration)
-        dataset = Dataset.from_dict({"input_ids": [row.tolist() for row in calibration],
-                                     "attention_mask": [[1] * calibration.shape[1]] * calibration.shape[0]})
+        dataset = Dataset.from_dict(
+            {
+                "input_ids": [row.tolist() for row in calibration],
+                "attention_mask": [[1] * calibration.shape[1]] * calibration.shape[0],
+            }
+        )
         group_size, note = self.group_size(job.source, job.format, job.settings)
         scheme = SCHEMES[job.format.name]
         recipe = []
@@ -59,23 +63,40 @@ class LLMCompressorBackend(HFFolderBackend):
             gptq = GPTQModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
         else:
             bits = 4 if scheme == "W4A16" else 8
-            weights = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="group",
-                                       group_size=group_size, actorder="static" if job.settings.get("act_order") else None)
-            gptq = GPTQModifier(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
-                                ignore=["lm_head"])
+            weights = QuantizationArgs(
+                num_bits=bits,
+                type="int",
+                symmetric=True,
+                strategy="group",
+                group_size=group_size,
+                actorder="static" if job.settings.get("act_order") else None,
+            )
+            gptq = GPTQModifier(
+                config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}, ignore=["lm_head"]
+            )
         recipe.append(gptq)
         torch.manual_seed(0)
         # bf16, as GPTQModel loads it too: the tensors left unquantized (embeddings, norms) are saved in the dtype
         # the model was calibrated in, and a release ships them in 16 bits.
-        model = AutoModelForCausalLM.from_pretrained(job.source.path, dtype=torch.bfloat16,
-                                                     trust_remote_code=job.source.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            job.source.path, dtype=torch.bfloat16, trust_remote_code=job.source.trust_remote_code
+        )
         tokenizer = AutoTokenizer.from_pretrained(job.source.path)
-        oneshot(model=model, dataset=dataset, recipe=recipe, max_seq_length=int(calibration.shape[1]),
-                num_calibration_samples=int(calibration.shape[0]))
+        oneshot(
+            model=model,
+            dataset=dataset,
+            recipe=recipe,
+            max_seq_length=int(calibration.shape[1]),
+            num_calibration_samples=int(calibration.shape[0]),
+        )
         model.save_pretrained(job.out, save_compressed=True)
         tokenizer.save_pretrained(job.out)
-        facts = {"library": "llmcompressor", "scheme": scheme, "calibration_samples": int(calibration.shape[0]),
-                 "calibration_seqlen": int(calibration.shape[1])}
+        facts = {
+            "library": "llmcompressor",
+            "scheme": scheme,
+            "calibration_samples": int(calibration.shape[0]),
+            "calibration_seqlen": int(calibration.shape[1]),
+        }
         if job.format.name == "int8":
             facts["smoothquant_strength"] = SMOOTHING_STRENGTH
         else:
@@ -85,5 +106,7 @@ class LLMCompressorBackend(HFFolderBackend):
         return facts
 
     def probe_target(self, artifact_dir: Path) -> str:
-        return ("compressed-tensors checkpoints run in vLLM's kernels, which need a GPU; on a CPU transformers only "
-                "decompresses them to float, which says nothing about their speed")
+        return (
+            "compressed-tensors checkpoints run in vLLM's kernels, which need a GPU; on a CPU transformers only "
+            "decompresses them to float, which says nothing about their speed"
+        )
