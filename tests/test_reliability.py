@@ -43,10 +43,7 @@ def test_sigint_during_quantization_stops_cleanly_and_resumes(tiny_llama, tmp_pa
         _build_command(tiny_llama, run, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     partial = lambda: (
-        (run / "artifacts").exists()
-        and any(
-            PARTIAL_MARKER in p.name for p in (run / "artifacts").iterdir()
-        )
+        (run / "artifacts").exists() and any(PARTIAL_MARKER in p.name for p in (run / "artifacts").iterdir())
     )
     assert _wait_for(partial, process), "quantization never started"
     process.send_signal(signal.SIGINT)
@@ -233,9 +230,7 @@ def test_download_killed_half_way_completes_on_restart(tiny_llama, tiny_run, tmp
         )
         half = lambda: (
             blobs.exists()
-            and any(
-                p.name.endswith(".incomplete") and p.stat().st_size > 2_000_000 for p in blobs.iterdir()
-            )
+            and any(p.name.endswith(".incomplete") and p.stat().st_size > 2_000_000 for p in blobs.iterdir())
         )
         assert _wait_for(half, process, timeout=120)
         process.kill()
