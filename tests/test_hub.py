@@ -67,3 +67,23 @@ def test_a_download_that_does_not_match_the_hub_sha256_is_refused(tiny_llama, tm
         )
     assert result.returncode == 2
     assert "does not match the sha256 the Hub records" in result.stderr
+
+
+def test_hub_token_never_lands_in_logs_manifests_or_cards(tiny_llama, tmp_path, hub_env):
+    token = "hf_quantforgeSECRETtoken1234567890"
+    with FakeHub({"acme/tiny-llama": tiny_llama}) as hub:
+        result = quantforge_cli(
+            "build",
+            "acme/tiny-llama",
+            "--formats",
+            "gguf-q8_0",
+            "--out",
+            str(tmp_path / "run"),
+            *FAST_EVAL,
+            env={**hub_env, "HF_ENDPOINT": hub.endpoint, "HF_TOKEN": token},
+        )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert token not in result.stdout + result.stderr
+    for path in (tmp_path / "run").rglob("*"):
+        if path.is_file():
+            assert token.encode() not in path.read_bytes(), path

@@ -91,7 +91,7 @@ def test_evaluation_killed_half_way_resumes_at_the_window_where_it_stopped(tiny_
         "--ppl-context",
         "128",
         "--ppl-windows",
-        "200",
+        "100",
         "--threads",
         "2",
         "--no-speed",
@@ -103,7 +103,6 @@ def test_evaluation_killed_half_way_resumes_at_the_window_where_it_stopped(tiny_
         any((run / "work" / "progress").glob("reference-*.npz")) if (run / "work" / "progress").exists() else False
     )
     assert _wait_for(progress, process)
-    time.sleep(0.3)
     process.kill()
     process.wait()
     if "reference" in read_json(run / "run.json")["stages"]:
@@ -235,13 +234,14 @@ def test_download_killed_half_way_completes_on_restart(tiny_llama, tiny_run, tmp
         assert _wait_for(half, process, timeout=120)
         process.kill()
         process.wait()
-        leftover = next(blobs.glob("*.incomplete"))
+        leftovers = list(blobs.glob("*.incomplete"))
         stale = time.time() - source.STALE_DOWNLOAD_SECONDS - 5
-        os.utime(leftover, (stale, stale))  # as if the restart came a while later
+        for leftover in leftovers:
+            os.utime(leftover, (stale, stale))  # as if the restart came a while later
         hub.delay_per_chunk = 0.0
         result = subprocess.run(process.args, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "removed 1 partial download(s) of acme/tiny-llama" in result.stderr
+    assert f"removed {len(leftovers)} partial download(s) of acme/tiny-llama" in result.stderr
     assert not list(blobs.glob("*.incomplete"))
     for key in ("gguf-f16", "gguf-q8_0", "gguf-q4km"):
         assert file_records(next((run / "artifacts" / key).glob("*.gguf"))) == file_records(
