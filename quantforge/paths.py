@@ -16,3 +16,13 @@ def definition_dirs(kind: str) -> list[Path]:
     roots = [Path(p) for p in os.environ.get("QUANTFORGE_PATH", "").split(os.pathsep) if p]
     roots.append(PROJECT_ROOT)
     return [root / kind for root in roots if (root / kind).is_dir()]
+
+
+def find_definitions(*kinds: str) -> dict[str, Path]:
+    """Definition name -> YAML file, the first found winning (QUANTFORGE_PATH roots before the project's)."""
+    found: dict[str, Path] = {}
+    for kind in kinds:
+        for folder in definition_dirs(kind):
+            for path in sorted(folder.glob("*.yaml")):
+                found.setdefault(path.stem, path)
+    return found

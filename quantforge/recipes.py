@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from .errors import QuantforgeError
-from .paths import definition_dirs
+from .paths import find_definitions
 
 # key -> expected type, or a nested schema for a mapping. Types are checked; unknown keys are errors.
 SCHEMA: dict = {
@@ -77,11 +77,7 @@ class Recipe:
 
 
 def known_recipes() -> dict[str, Path]:
-    found: dict[str, Path] = {}
-    for folder in definition_dirs("recipes"):
-        for path in sorted(folder.glob("*.yaml")):
-            found.setdefault(path.stem, path)
-    return found
+    return find_definitions("recipes")
 
 
 def _type_name(expected) -> str:

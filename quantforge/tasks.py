@@ -21,17 +21,13 @@ import yaml
 
 from .errors import QuantforgeError
 from .evaluate import log_softmax
-from .paths import definition_dirs
+from .paths import find_definitions
 
 DEFAULT_TASKS = ("arc_easy", "hellaswag", "piqa", "winogrande", "lambada")
 
 
 def known_tasks() -> dict[str, Path]:
-    found: dict[str, Path] = {}
-    for folder in definition_dirs("evals/tasks"):
-        for path in sorted(folder.glob("*.yaml")):
-            found.setdefault(path.stem, path)
-    return found
+    return find_definitions("evals/tasks")
 
 
 def task_definition(name: str) -> dict:

@@ -18,7 +18,7 @@ import yaml
 
 from .errors import QuantforgeError
 from .hub import hub_offline
-from .paths import definition_dirs
+from .paths import find_definitions
 
 AUTO = "auto"
 TEXT_KINDS = ("evals/text", "calibration")
@@ -50,12 +50,7 @@ class Text:
 
 
 def known_texts() -> dict[str, Path]:
-    found: dict[str, Path] = {}
-    for kind in TEXT_KINDS:
-        for folder in definition_dirs(kind):
-            for path in sorted(folder.glob("*.yaml")):
-                found.setdefault(path.stem, path)
-    return found
+    return find_definitions(*TEXT_KINDS)
 
 
 def _read_local(spec: str) -> Text:

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.metadata
 import os
 import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 
@@ -27,45 +25,19 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from llamacpp_tools import source_tree  # noqa: E402
 
 from quantforge.backends.llamacpp import quantize_gguf  # noqa: E402
 from quantforge.gguf_convert import convert_hf_to_gguf  # noqa: E402
-from quantforge.source import BUNDLED, cache_root  # noqa: E402
+from quantforge.source import BUNDLED  # noqa: E402
 
 NAMING_PREFIX = "general."
 
 
-def llama_cpp_tree() -> Path:
-    """The vendored llama.cpp tree of the installed llama-cpp-python's sdist (fetched once with pip)."""
-    version = importlib.metadata.version("llama-cpp-python")
-    base = cache_root() / "llama-cpp-python-src"
-    tree = base / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
-    if tree.exists():
-        return tree
-    base.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--no-binary",
-            ":all:",
-            f"llama-cpp-python=={version}",
-            "-d",
-            str(base),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    with tarfile.open(base / f"llama_cpp_python-{version}.tar.gz") as archive:
-        archive.extractall(base, filter="data")
-    return tree
-
-
 def run_llama_cpp_converter(model: Path, out: Path) -> None:
-    tree = llama_cpp_tree()
+    tree = source_tree()
     env = {**os.environ, "PYTHONPATH": str(tree / "gguf-py")}  # its own gguf-py, not pip's gguf
     result = subprocess.run(
         [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(model), "--outtype", "f16", "--outfile", str(out)],
