@@ -80,7 +80,6 @@ class Plan:
     run_dir: Path
     threads: int
     request: BuildRequest
-    notes: list[str] = field(default_factory=list)
 
     @property
     def needs_calibration(self) -> bool:
