@@ -8,6 +8,7 @@ and its outputs are still on disk. The card is re-rendered from the manifest at 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
@@ -211,6 +212,10 @@ def plan_tasks(request: BuildRequest, recipe_eval: dict) -> dict:
     if limit is not None and limit < 1:
         raise QuantforgeError("--limit must be at least 1")
     files = {name: sha256_file(data_file(name, data)) for name in names}
+    if names and importlib.util.find_spec("lm_eval") is None:
+        raise QuantforgeError(
+            "--tasks needs lm-evaluation-harness, which is not installed: pip install 'quantforge[tasks]'"
+        )
     return {"names": names, "data": data, "data_files": files, "limit": limit}
 
 
@@ -351,7 +356,8 @@ class Build:
 
         def produce():
             with self.ui.task(f"tokenize {text.name}"):
-                windows = make_windows(tokenize_text(self.source.path, text.joined), settings.context, settings.windows)
+                ids = tokenize_text(self.source.path, text.joined, needed=settings.context * settings.windows)
+                windows = make_windows(ids, settings.context, settings.windows)
             with atomic_output(path) as tmp, open(tmp, "wb") as handle:
                 np.save(handle, windows)
             return {"text": text.describe(), "windows": int(windows.shape[0]), "context": int(windows.shape[1])}

@@ -7,9 +7,9 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import FAST_EVAL, TASKS_DATA, quantforge_cli, read_json
+from conftest import FAST_EVAL, TASKS_DATA, WIKITEXT, quantforge_cli, read_json
 
-from quantforge.evaluate import compare_window, reference_window
+from quantforge.evaluate import compare_window, reference_window, tokenize_text
 from quantforge.runners import TorchRunner
 
 
@@ -23,6 +23,16 @@ def test_kl_of_the_reference_against_itself_is_zero(tiny_llama):
     assert np.allclose(same["nll"], ref.nll)
     shifted = compare_window(logits + np.random.default_rng(0).normal(0, 0.5, logits.shape), tokens, ref)
     assert shifted["kld"].mean() > 1e-3 and not shifted["agree"].all()
+
+
+def test_tokenizing_a_prefix_gives_the_whole_texts_first_tokens(smollm2_dir):
+    text = WIKITEXT.read_text()
+    whole = tokenize_text(smollm2_dir, text)
+    for needed in (128, 8192, 60_000):
+        prefix = tokenize_text(smollm2_dir, text, needed)
+        assert len(prefix) == needed and np.array_equal(prefix, whole[:needed]), needed
+    # Asked for more than the text holds: all of it, so the window check can say how much there was.
+    assert np.array_equal(tokenize_text(smollm2_dir, text, len(whole) + 1), whole)
 
 
 def test_task_accuracies_and_recovery(tiny_run):

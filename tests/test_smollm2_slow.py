@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 def test_readme_build_of_the_bundled_model(tmp_path):
     run = tmp_path / "smollm2"
     # One run of the one small model covers the README's GGUF job and a calibrated format with the group-size
-    # fallback that SmolLM2's width 576 needs.
+    # fallback that SmolLM2's width 576 needs; half the default windows and a shorter speed probe keep it short.
     result = quantforge_cli(
         "build",
         "smollm2-135m",
@@ -27,6 +27,12 @@ def test_readme_build_of_the_bundled_model(tmp_path):
         "8",
         "--calib-seqlen",
         "128",
+        "--ppl-windows",
+        "8",
+        "--prompt-tokens",
+        "64",
+        "--gen-tokens",
+        "32",
         "--out",
         str(run),
         env={"HF_HUB_OFFLINE": "1"},
