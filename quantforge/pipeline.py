@@ -430,7 +430,7 @@ class Build:
             path = self.run_dir / "evals" / "tasks" / key / f"{name}.json"
 
             def produce(name=name, path=path):
-                with self.ui.task(f"task {name} on {key}"):
+                with self.ui.task(f"task {name} on {key} (requests)") as advance:
                     result = run_task(
                         runner.get(),
                         self.source.path,
@@ -439,6 +439,8 @@ class Build:
                         settings["limit"],
                         self.run_dir / "work",
                         max_length=runner.context,
+                        log_path=self.run_dir / "logs" / f"tasks-{key}-{name}.log",
+                        on_request=lambda done, total: advance(done, total),
                     )
                 result["runtime"] = runner.get().runtime
                 atomic_write_json(path, result)

@@ -11,6 +11,7 @@ model for the reference). So a task's accuracy differs between formats only thro
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import math
@@ -21,6 +22,7 @@ import yaml
 
 from .errors import QuantforgeError
 from .evaluate import log_softmax
+from .logs import capture_output
 from .paths import find_definitions
 
 DEFAULT_TASKS = ("arc_easy", "hellaswag", "piqa", "winogrande", "lambada")
@@ -79,8 +81,9 @@ def write_task_configs(names: list[str], data_dir: Path | None, out_dir: Path) -
     return mapping
 
 
-def make_runner_lm(runner, tokenizer, max_length: int):
-    """An lm-eval LM over a quantforge LogitsRunner (log-likelihood requests only)."""
+def make_runner_lm(runner, tokenizer, max_length: int, on_request=None):
+    """An lm-eval LM over a quantforge LogitsRunner (log-likelihood requests only); ``on_request(done, total)``
+    follows its progress."""
     from lm_eval.api.model import LM
 
     class RunnerLM(LM):
@@ -99,7 +102,9 @@ def make_runner_lm(runner, tokenizer, max_length: int):
 
         def loglikelihood(self, requests, disable_tqdm: bool = False):
             results = []
-            for request in requests:
+            for index, request in enumerate(requests):
+                if on_request:
+                    on_request(index, len(requests))
                 context_ids, continuation_ids = self._encode_pair(*request.args)
                 tokens = (context_ids + continuation_ids)[-(max_length + 1) :]
                 logits = runner.logits(np.asarray(tokens[:-1], dtype=np.int32))
@@ -128,27 +133,23 @@ def run_task(
     limit: int | None,
     work_dir: Path,
     max_length: int = 2048,
+    log_path: Path | None = None,
+    on_request=None,
 ) -> dict:
-    """Score one task; return accuracy, its standard error and how it was measured."""
+    """Score one task; return accuracy, its standard error and how it was measured.
+
+    lm-eval's own logging and tqdm bars go to ``log_path``; ``on_request(done, total)`` reports progress.
+    """
     import lm_eval
-    from lm_eval.tasks import TaskManager
     from transformers import AutoTokenizer
 
     definition = task_definition(name)["quantforge"]
     configs = work_dir / "lm-eval-tasks" / name
     mapping = write_task_configs([name], data_dir, configs)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    results = lm_eval.simple_evaluate(
-        model=make_runner_lm(runner, tokenizer, max_length),
-        tasks=[mapping[name]],
-        task_manager=TaskManager(include_path=str(configs), include_defaults=False),
-        limit=limit,
-        random_seed=0,
-        numpy_random_seed=0,
-        torch_random_seed=0,
-        fewshot_random_seed=0,
-        log_samples=False,
-    )
+    model = make_runner_lm(runner, tokenizer, max_length, on_request)
+    with capture_output(log_path) if log_path else contextlib.nullcontext():
+        results = _evaluate(lm_eval, model, mapping[name], configs, limit)
     scores = results["results"][mapping[name]]
     metric = definition["metric"]
     value = scores[f"{metric},none"]
@@ -164,3 +165,19 @@ def run_task(
         "data": definition["data_file"],
         "lm_eval_version": lm_eval.__version__ if hasattr(lm_eval, "__version__") else None,
     }
+
+
+def _evaluate(lm_eval, model, task: str, configs: Path, limit: int | None) -> dict:
+    from lm_eval.tasks import TaskManager
+
+    return lm_eval.simple_evaluate(
+        model=model,
+        tasks=[task],
+        task_manager=TaskManager(include_path=str(configs), include_defaults=False),
+        limit=limit,
+        random_seed=0,
+        numpy_random_seed=0,
+        torch_random_seed=0,
+        fewshot_random_seed=0,
+        log_samples=False,
+    )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -72,6 +74,20 @@ def test_speed_probe_and_roofline(tiny_run):
         assert speed["gpus"]["H100"]["computed"] and speed["gpus"]["H100"]["decode_tps_bound"] > speed["decode_tps"]
     assert card["host"]["bandwidth_gbs"] > 0.5
     assert "## Decode speed" in (tiny_run / "card.md").read_text()
+
+
+def test_probe_memory_is_the_probes_own_not_its_parents(tiny_run, tmp_path):
+    """Linux carries ru_maxrss across fork and exec: started from a process holding 1.5 GB, the probe must still
+    report its own peak, a small model's."""
+    held = np.ones(1536 * 2**20 // 8)  # written, so resident
+    gguf = next((tiny_run / "artifacts" / "gguf-q8_0").glob("*.gguf"))
+    prompt = tmp_path / "prompt.npy"
+    np.save(prompt, np.arange(100, 116, dtype=np.int32))
+    command = [sys.executable, "-m", "quantforge.probe", "--runtime", "llama.cpp", "--path", str(gguf)]
+    command += ["--prompt", str(prompt), "--gen-tokens", "4", "--threads", "2", "--runs", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    peak = json.loads(done.stdout.strip().splitlines()[-1])["peak_rss_mb"]
+    assert held[-1] == 1.0 and 20 < peak < 1000, peak
 
 
 def test_unknown_task_is_a_clear_error(tiny_llama, tmp_path):
