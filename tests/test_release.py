@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import WIKITEXT, quantforge_cli, read_json
+from conftest import WIKITEXT, assert_same_quality, quantforge_cli, read_json
 
 from quantforge.fsutil import PARTIAL_MARKER, file_records
 
@@ -48,13 +48,6 @@ def local_release(models, tmp_path_factory):
     result = quantforge_cli("release", str(path), timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
     return path, base / "out"
-
-
-def _quality(card: dict) -> list:
-    return [
-        (e["key"], e["size_bytes"], {k: v for k, v in e["metrics"].items() if k != "decode_tps"})
-        for e in card["formats"]
-    ]
 
 
 def test_local_release_writes_a_card_per_model(local_release):
@@ -144,7 +137,7 @@ def test_ray_release_survives_a_killed_worker_and_equals_the_local_one(models, l
     _, local_out = local_release
     for name in ("tiny-llama", "tiny-qwen2"):
         ours, theirs = read_json(tmp_path / "out" / name / "card.json"), read_json(local_out / name / "card.json")
-        assert _quality(ours) == _quality(theirs)
+        assert_same_quality(ours, theirs)
         assert ours["decision"] == theirs["decision"]
         for entry in ours["formats"]:
             key = entry["key"]
