@@ -440,7 +440,7 @@ class Build:
                         self.run_dir / "work",
                         max_length=runner.context,
                         log_path=self.run_dir / "logs" / f"tasks-{key}-{name}.log",
-                        on_request=lambda done, total: advance(done, total),
+                        on_request=advance,
                     )
                 result["runtime"] = runner.get().runtime
                 atomic_write_json(path, result)

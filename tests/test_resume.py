@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAST_EVAL, TINY_FORMATS, TINY_RUN_ARGS, assert_same_quality, quantforge_cli, read_json
+from conftest import FAST_EVAL, TINY_FORMATS, TINY_RUN_ARGS, assert_same_results, quantforge_cli, read_json
 
 from quantforge.fsutil import PARTIAL_MARKER, file_records, find_partials
 
@@ -69,9 +69,8 @@ def test_sigkill_at_several_points_then_resume(tiny_llama, tiny_run, tmp_path):
         ours_files.pop("README.md"), their_files.pop("README.md")
         assert ours_files == their_files, key
 
-    assert_same_quality(ours, reference)
+    assert_same_results(ours, reference)
     assert [e["tasks"] for e in ours["formats"]] == [e["tasks"] for e in reference["formats"]]
-    assert ours["decision"] == reference["decision"]
 
 
 def test_a_second_build_into_the_same_directory_is_refused(tiny_llama, tmp_path):
