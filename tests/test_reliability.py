@@ -115,7 +115,9 @@ def test_evaluation_killed_half_way_resumes_at_the_window_where_it_stopped(tiny_
     fresh = tmp_path / "fresh"
     assert quantforge_cli("build", str(tiny_llama), "--out", str(fresh), *args).returncode == 0
     again = read_json(fresh / "run.json")["stages"]["reference"]["result"]
-    assert reference["perplexity"] == again["perplexity"] and reference["tokens_scored"] == again["tokens_scored"]
+    # To 1e-4: two processes' float results differ by ~5e-6 now and then (see conftest.assert_same_results).
+    assert reference["perplexity"] == pytest.approx(again["perplexity"], rel=1e-4)
+    assert reference["tokens_scored"] == again["tokens_scored"]
     assert not list((run / "work" / "progress").glob("*.npz"))
 
 
