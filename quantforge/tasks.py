@@ -149,7 +149,7 @@ def run_task(
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     model = make_runner_lm(runner, tokenizer, max_length, on_request)
     with capture_output(log_path) if log_path else contextlib.nullcontext():
-        results = _evaluate(lm_eval, model, mapping[name], configs, limit)
+        results = _evaluate(model, mapping[name], configs, limit)
     scores = results["results"][mapping[name]]
     metric = definition["metric"]
     value = scores[f"{metric},none"]
@@ -167,7 +167,9 @@ def run_task(
     }
 
 
-def _evaluate(lm_eval, model, task: str, configs: Path, limit: int | None) -> dict:
+def _evaluate(model, task: str, configs: Path, limit: int | None) -> dict:
+    """lm-eval on one task from quantforge's generated configs, seeded, without its built-in tasks."""
+    import lm_eval
     from lm_eval.tasks import TaskManager
 
     return lm_eval.simple_evaluate(
