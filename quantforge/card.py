@@ -33,6 +33,15 @@ CONVENTION = (
 )
 
 
+def bos_convention(bos_token_id: int | None) -> str:
+    if bos_token_id is None:
+        return "no BOS token: the model's tokenizer adds none, so windows are text tokens only"
+    return (
+        f"each window starts with the BOS token (id {bos_token_id}), as the model's tokenizer adds it, followed by "
+        "text tokens; the first scored token is the window's first text token (the same ids in every runtime)"
+    )
+
+
 def _task_results(manifest: Manifest, key: str) -> dict:
     names = (manifest.data.get("plan", {}).get("tasks") or {}).get("names") or []
     found = {}
@@ -160,7 +169,11 @@ def build_card(run_dir: Path, targets: Targets) -> dict:
         for e in entries
         if e["complete"]
     ]
-    decision = decide(candidates, targets, usable)
+    failures = manifest.data.get("failures") or {}
+    for entry in entries:
+        if entry["key"] in failures:
+            entry["failure"] = failures[entry["key"]]
+    decision = decide(candidates, targets, usable, {key: f["line"] for key, f in failures.items()})
     plan = manifest.data["plan"]
     reference = manifest.stage("reference")
     return {
@@ -171,6 +184,8 @@ def build_card(run_dir: Path, targets: Targets) -> dict:
             "requested_text": plan["eval_settings"]["text"],
             "text": manifest.stage("tokens")["result"]["text"],
             "convention": CONVENTION,
+            "bos_token_id": manifest.stage("tokens")["result"].get("bos_token_id"),
+            "bos": bos_convention(manifest.stage("tokens")["result"].get("bos_token_id")),
         },
         "reference": {
             **reference["result"],
@@ -180,7 +195,8 @@ def build_card(run_dir: Path, targets: Targets) -> dict:
         "host": (manifest.stage("host") or {}).get("result"),
         "calibration": (manifest.stage("calibration") or {}).get("result"),
         "formats": entries,
-        "incomplete": [e["key"] for e in entries if not e["complete"]],
+        "incomplete": [e["key"] for e in entries if not e["complete"] and e["key"] not in failures],
+        "failed": [failures[key] for key in sorted(failures)],
         "same_format": same_format_comparisons({"formats": entries}),
         "pareto_front": pareto_front(
             [(c.key, c.size_bytes, c.metrics["kld_mean"]) for c in candidates if c.metrics.get("kld_mean") is not None]
@@ -386,7 +402,8 @@ def render_markdown(card: dict) -> str:
     ]
     for entry in card["formats"]:
         if not entry["complete"]:
-            lines.append(f"| {entry['key']} | {entry['scheme']} | incomplete | | | | | | | |")
+            state = "failed" if entry.get("failure") else "incomplete"
+            lines.append(f"| {entry['key']} | {entry['scheme']} | {state} | | | | | | | |")
             continue
         m = entry["metrics"]
         lines.append(
@@ -415,6 +432,7 @@ def render_markdown(card: dict) -> str:
         ),
         f"- {ev['convention']}. llama.cpp's llama-perplexity scores only the second half of each window: its "
         "figures are not comparable with these.",
+        f"- BOS: {ev.get('bos') or bos_convention(None)}.",
         "- KL divergence (reference || artifact) per token: exact over the reference's 64 most likely tokens, plus "
         "an unbiased estimate over the rest from 64 tokens drawn from it (fixed seed).",
         "- Every artifact was loaded from disk: GGUF files in llama.cpp (flash attention off, "
@@ -441,6 +459,8 @@ def render_markdown(card: dict) -> str:
                 f"- {entry['key']}: llama.cpp fell back to another type for {quantize['fallback_tensors']} tensors "
                 "(widths not a multiple of the K-quant super-block of 256)."
             )
+    for failure in card.get("failed") or []:
+        lines.append(f"- Failed: {failure['line']}. Rerunning the same command retries only what failed.")
     if card["incomplete"]:
         lines.append(f"- Incomplete (rerun the build to finish): {', '.join(card['incomplete'])}.")
     if model.get("trust_remote_code"):

@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .errors import QuantforgeError
+from .errors import EXIT_FORMATS_FAILED, EXIT_INTERRUPTED, QuantforgeError
 
 
 def _split(value: str | None) -> list[str] | None:
@@ -100,7 +100,7 @@ class QuantforgeGroup(click.Group):
             ctx.exit(exc.exit_code)
         except KeyboardInterrupt:
             click.echo("interrupted: finished stages are kept; run the same command again to resume", err=True)
-            ctx.exit(130)
+            ctx.exit(EXIT_INTERRUPTED)
         except OSError as exc:
             if exc.errno not in DISK_ERRORS:
                 raise
@@ -237,6 +237,21 @@ def build(
     ui = UI()
     card = run_build(request, ui)
     _print_card(card, as_json, ui)
+    _exit_if_failed(card)
+
+
+def _exit_if_failed(card: dict) -> None:
+    """Formats that failed in their library: each named in one line, exit 3 (the others are on the card)."""
+    failed = card.get("failed") or []
+    for failure in failed:
+        click.echo(f"failed: {failure['line']}", err=True)
+    if failed:
+        click.echo(
+            f"{len(failed)} format(s) failed; the card covers the others. Run the same command again to retry "
+            "only what failed.",
+            err=True,
+        )
+        raise SystemExit(EXIT_FORMATS_FAILED)
 
 
 def _print_card(card: dict, as_json: bool, ui) -> None:
@@ -253,6 +268,20 @@ def _print_card(card: dict, as_json: bool, ui) -> None:
     else:
         click.echo(f"recommended: none ({decision.get('closest')})")
     click.echo(f"card: {Path(card['provenance'].get('run_dir', '.')) / 'card.md'}")
+
+
+@main.command()
+@click.option(
+    "--sdist",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="A llama-cpp-python sdist already downloaded (default: fetch it with pip).",
+)
+def setup(sdist):
+    """Fetch llama.cpp's GGUF converter for the installed llama-cpp-python into the cache (once; then offline)."""
+    from .llamacpp_convert import describe, install_converter, supported_architectures
+
+    folder = install_converter(sdist)
+    click.echo(f"{describe()}: {folder} ({len(supported_architectures())} architectures)")
 
 
 @main.command()
@@ -378,7 +407,7 @@ def release(release_file, executor, address, dry_run, as_json):
     if blocked:
         click.echo(f"{len(blocked)} unit(s) not run because a unit they depend on failed", err=True)
     if failed:
-        raise SystemExit(1)
+        raise SystemExit(EXIT_FORMATS_FAILED)
 
 
 if __name__ == "__main__":

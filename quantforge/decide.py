@@ -99,7 +99,7 @@ class Targets:
 @dataclass
 class Verdict:
     key: str
-    outcome: str  # "recommended", "meets targets", "misses targets", "excluded"
+    outcome: str  # "recommended", "meets targets", "misses targets", "excluded", "failed"
     reason: str
     checks: list[dict] = field(default_factory=list)
 
@@ -147,9 +147,15 @@ def _miss_ratio(check: dict, target: Target) -> float:
     return abs(check["value"] - target.limit) / scale
 
 
-def decide(candidates: list[Candidate], targets: Targets, usable_gpu_gb: float | None = None) -> Decision:
+def decide(
+    candidates: list[Candidate],
+    targets: Targets,
+    usable_gpu_gb: float | None = None,
+    failed: dict[str, str] | None = None,
+) -> Decision:
     """``usable_gpu_gb``: what the GPU of ``targets.gpu`` offers weights and KV cache (see deploy.memory_fit);
-    each candidate then carries ``gpu_needed_gb`` in its metrics."""
+    each candidate then carries ``gpu_needed_gb`` in its metrics. ``failed``: formats that could not be made or
+    measured (key -> the one-line failure), listed last with that line as their reason."""
     limits = targets.limits(usable_gpu_gb)
     by_name = {t.name: t for t in limits}
     eligible, verdicts = [], []
@@ -200,6 +206,7 @@ def decide(candidates: list[Candidate], targets: Targets, usable_gpu_gb: float |
             closest = f"{nearest.key} comes closest: {nearest.reason}"
         else:
             closest = "no format has every targeted metric measured"
+    verdicts += [Verdict(key, "failed", line) for key, line in sorted((failed or {}).items())]
     return Decision(recommended.key if recommended else None, ranked + verdicts, best_per_family, closest)
 
 

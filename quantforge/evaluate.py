@@ -2,8 +2,12 @@
 
 Convention (GPTQ/AutoRound): the text is joined, tokenized once (no special tokens added), cut into
 non-overlapping windows of the context length, and every position of every window after the first token is
-scored (mean token negative log-likelihood; perplexity is its exponential). llama.cpp's ``llama-perplexity``
-scores only the second half of each window, so its figures differ; the card says which convention it used.
+scored (mean token negative log-likelihood; perplexity is its exponential). When the model's tokenizer puts a BOS
+token in front of every text (Gemma, Llama 2/3, Mistral), each window starts with BOS followed by ``context - 1``
+text tokens, so the first scored token is the window's first text token: such models see BOS in training, and
+without it their perplexity is meaningless (Gemma 3 270M: 10,273 without, 982 with). llama.cpp's
+``llama-perplexity`` also starts each window with BOS then, but scores only the second half of each window, so its
+figures differ; the card says which convention it used.
 
 The reference's next-token distribution is stored compactly, so every artifact is compared with it without
 recomputing the reference: per scored position, the ``TOP_K`` most likely tokens with their log-probabilities, and
@@ -39,15 +43,40 @@ class EvalSettings:
         return {"text": self.text, "context": self.context, "windows": self.windows}
 
 
-def make_windows(token_ids: np.ndarray, context: int, windows: int) -> np.ndarray:
-    """The first ``windows`` non-overlapping windows of ``context`` tokens, as an int32 array [windows, context]."""
-    available = len(token_ids) // context
+def text_tokens_per_window(context: int, bos: int | None) -> int:
+    return context - 1 if bos is not None else context
+
+
+def make_windows(token_ids: np.ndarray, context: int, windows: int, bos: int | None = None) -> np.ndarray:
+    """The first ``windows`` non-overlapping windows of ``context`` tokens, as an int32 array [windows, context];
+    with ``bos``, each window is BOS followed by the next ``context - 1`` text tokens."""
+    per_window = text_tokens_per_window(context, bos)
+    available = len(token_ids) // per_window
     if available < windows:
         raise QuantforgeError(
             f"the evaluation text has {len(token_ids)} tokens: enough for {available} windows of {context}, "
             f"not {windows}; lower --ppl-windows or --ppl-context, or use a longer text"
         )
-    return np.asarray(token_ids[: windows * context], dtype=np.int32).reshape(windows, context)
+    text = np.asarray(token_ids[: windows * per_window], dtype=np.int32).reshape(windows, per_window)
+    if bos is None:
+        return text
+    return np.concatenate([np.full((windows, 1), bos, dtype=np.int32), text], axis=1)
+
+
+def bos_token_id(tokenizer_dir: Path) -> int | None:
+    """The BOS id when the tokenizer puts BOS in front of every text it encodes (as the model was trained), else None.
+
+    Asked of the tokenizer itself (its post-processor, or ``add_bos_token``), not of the config: many configs name
+    a BOS token that the tokenizer never adds (Qwen, SmolLM).
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return None
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return int(bos) if ids and ids[0] == bos else None
 
 
 BOUNDARY_MARGIN = 256  # tokens dropped before a prefix's cut, where tokenization may differ from the whole text's

@@ -21,7 +21,7 @@ from .backends import Choice, QuantizeJob, load_backends, resolve_formats
 from .calibration import CalibrationSettings
 from .card import write_card
 from .decide import Targets
-from .errors import QuantforgeError
+from .errors import QuantforgeError, StageFailed
 from .evaluate import EvalSettings, load_reference, make_windows, save_reference, score_artifact, score_reference
 from .fsutil import atomic_output, atomic_write_json, remove_path
 from .logs import capture_output, follow_progress
@@ -255,6 +255,7 @@ class Build:
         self.manifest: Manifest | None = None
         self.source: SourceModel | None = None
         self._forced: set[str] = set()
+        self.failures: dict[str, dict] = {}  # format key -> what failed (see failures.describe_failure)
 
     # -- stage plumbing ---------------------------------------------------------------------------------------
 
@@ -283,6 +284,26 @@ class Build:
 
     def digest(self, key: str) -> str:
         return self.manifest.output_digest(key)
+
+    @contextlib.contextmanager
+    def contained(self, choice: Choice, stage: str):
+        """A library that raises inside one format's stage fails that format, not the build: the exception becomes
+        one line (format, library and version, its last line, the log to read) and its traceback goes to the log.
+
+        Interrupts and full or read-only disks still stop the whole build: they are not the format's fault.
+        """
+        from .failures import describe_failure, is_environment_error
+
+        log = self.run_dir / "logs" / f"{stage}-{choice.key}.log"
+        try:
+            yield
+        except StageFailed:
+            raise
+        except Exception as exc:
+            if is_environment_error(exc):
+                raise
+            record = describe_failure(choice.key, stage, choice.backend.library(stage), exc, log, self.run_dir)
+            raise StageFailed(record["line"], record) from exc
 
     # -- stages -----------------------------------------------------------------------------------------------
 
@@ -346,27 +367,53 @@ class Build:
                 problems[0] + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else "")
             )
 
+    def unsupported_formats(self) -> dict[str, dict]:
+        """Formats whose library cannot handle this model, found up front: each fails alone, the rest go on."""
+        from .failures import unsupported_record
+
+        failures = {}
+        for choice in self.plan.choices:
+            reason = choice.backend.unsupported(self.source, choice.format)
+            if reason:
+                failures[choice.key] = unsupported_record(choice.key, choice.backend.library(), reason)
+                self.ui.log(f"[red]✗[/red] {failures[choice.key]['line']}")
+        return failures
+
+    def record_failures(self) -> None:
+        """The run's failed formats, for the card; a format that later succeeds is no longer listed."""
+        self.manifest.data["failures"] = self.failures
+        self.manifest.save()
+
     def tokens(self) -> np.ndarray:
-        from .evaluate import tokenize_text
+        from .evaluate import bos_token_id, text_tokens_per_window, tokenize_text
         from .textdata import load_text
 
         settings = self.plan.eval
         text = load_text(settings.text)
         path = self.run_dir / "work" / "eval-windows.npy"
 
+        bos = bos_token_id(self.source.path)
+
         def produce():
+            per_window = text_tokens_per_window(settings.context, bos)
             with self.ui.task(f"tokenize {text.name}"):
-                ids = tokenize_text(self.source.path, text.joined, needed=settings.context * settings.windows)
-                windows = make_windows(ids, settings.context, settings.windows)
+                ids = tokenize_text(self.source.path, text.joined, needed=per_window * settings.windows)
+                windows = make_windows(ids, settings.context, settings.windows, bos)
             with atomic_output(path) as tmp, open(tmp, "wb") as handle:
                 np.save(handle, windows)
-            return {"text": text.describe(), "windows": int(windows.shape[0]), "context": int(windows.shape[1])}
+            return {
+                "text": text.describe(),
+                "windows": int(windows.shape[0]),
+                "context": int(windows.shape[1]),
+                "bos_token_id": bos,
+            }
 
         self.stage(
             "tokens",
             "tokenize evaluation text",
             inputs={"source": self.digest("fetch"), "text": text.sha256},
-            settings=settings.to_json(),
+            # BOS is a setting of the windows: stored references made without it are never reused with it.
+            settings={**settings.to_json(), "bos_token_id": bos},
             outputs=[path],
             produce=produce,
         )
@@ -667,6 +714,7 @@ class Build:
             self.source = self.fetch()
             self.check_backends()
             self.check_same_model()
+            self.failures = self.unsupported_formats()
             self.parameters = self.source.config.get("parameters") or 0
             self.check_resources(self.parameters)
             # Only now, with the input checked, does this build touch the run's manifest.
@@ -691,9 +739,21 @@ class Build:
         self.calibration()
 
     def make(self, choice: Choice) -> None:
-        self.quantize(choice, self.parameters, self.calibration())
+        self.refuse_unsupported(choice)
+        calibration = self.calibration()
+        with self.contained(choice, "quantize"):
+            self.quantize(choice, self.parameters, calibration)
 
     def measure(self, choice: Choice) -> None:
+        self.refuse_unsupported(choice)
+        with self.contained(choice, "evaluate"):
+            self.evaluate_and_probe(choice)
+
+    def refuse_unsupported(self, choice: Choice) -> None:
+        if choice.key in self.failures and self.failures[choice.key].get("stage") == "check":
+            raise StageFailed(self.failures[choice.key]["line"], self.failures[choice.key])
+
+    def evaluate_and_probe(self, choice: Choice) -> None:
         windows = self.tokens()
         self.evaluate(choice, windows, self.reference(windows, LazyRunner(self.open_reference_runner, 0)))
         if self.plan.speed:
@@ -714,8 +774,15 @@ class Build:
         with self.session():
             self.prepare()
             for choice in self.plan.choices:
-                self.make(choice)
-                self.measure(choice)
+                try:
+                    self.make(choice)
+                    self.measure(choice)
+                except StageFailed as failure:
+                    self.failures[choice.key] = failure.record
+                    self.ui.log(f"[red]✗[/red] {failure}")
+                else:
+                    self.failures.pop(choice.key, None)
+                self.record_failures()
         return self.card()
 
     def run_unit(self, unit: str, key: str | None = None) -> dict:
@@ -729,10 +796,18 @@ class Build:
         with self.session(wait=True):
             if unit == "prepare":
                 self.prepare()
-            elif unit == "quantize":
-                self.make(choice)
-            elif unit == "evaluate":
-                self.measure(choice)
+            elif unit in ("quantize", "evaluate"):
+                self.failures = {**(self.manifest.data.get("failures") or {}), **self.failures}
+                try:
+                    self.make(choice) if unit == "quantize" else self.measure(choice)
+                except StageFailed as failure:
+                    self.failures[choice.key] = failure.record
+                    raise
+                else:
+                    if unit == "evaluate":
+                        self.failures.pop(choice.key, None)
+                finally:
+                    self.record_failures()
         return self.card() if unit == "card" else {"unit": unit, "key": key}
 
 

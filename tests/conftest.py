@@ -28,24 +28,30 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(smollm2_dir, tmp_path_factory) -> Path:
-    from tiny_models import build_tiny_model
+def tiny_model(smollm2_dir, tmp_path_factory):
+    """tiny_model(kind) -> the folder of a tiny random model of that architecture (see tiny_models.ARCHITECTURES),
+    built once per session."""
+    from tiny_models import build_tiny_model, folder_name
 
-    return build_tiny_model("llama", smollm2_dir, tmp_path_factory.mktemp("models") / "tiny-llama")
+    built: dict[str, Path] = {}
+    root = tmp_path_factory.mktemp("models")
+
+    def get(kind: str) -> Path:
+        if kind not in built:
+            built[kind] = build_tiny_model(kind, smollm2_dir, root / folder_name(kind))
+        return built[kind]
+
+    return get
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen2(smollm2_dir, tmp_path_factory) -> Path:
-    from tiny_models import build_tiny_model
-
-    return build_tiny_model("qwen2", smollm2_dir, tmp_path_factory.mktemp("models") / "tiny-qwen2")
+def tiny_llama(tiny_model) -> Path:
+    return tiny_model("llama")
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen3(smollm2_dir, tmp_path_factory) -> Path:
-    from tiny_models import build_tiny_model
-
-    return build_tiny_model("qwen3", smollm2_dir, tmp_path_factory.mktemp("models") / "tiny-qwen3")
+def tiny_qwen2(tiny_model) -> Path:
+    return tiny_model("qwen2")
 
 
 def quantforge_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 900):

@@ -1,4 +1,5 @@
-"""The HF -> GGUF converter, checked by running what it wrote in llama.cpp against transformers."""
+"""GGUF conversion through llama.cpp's own converter, checked by running what it wrote in llama.cpp against
+transformers on every test architecture."""
 
 from __future__ import annotations
 
@@ -6,47 +7,30 @@ import json
 
 import numpy as np
 import pytest
+from tiny_models import ARCHITECTURES
 
 from quantforge.backends.llamacpp import LlamaCppRunner, quantize_gguf, tensor_types
 from quantforge.errors import QuantforgeError
-from quantforge.evaluate import log_softmax
-from quantforge.gguf_convert import convert_hf_to_gguf
+from quantforge.evaluate import bos_token_id, log_softmax
+from quantforge.llamacpp_convert import architecture_problem, convert_hf_to_gguf, supported_architectures
 from quantforge.runners import TorchRunner
 
+# "The capital of France is Paris. In 2024, 12345 ..." in SmolLM2's tokenizer (every tiny model uses it).
 PROMPT_IDS = np.array(
-    [
-        504,
-        3458,
-        282,
-        4649,
-        314,
-        7042,
-        30,
-        378,
-        1345,
-        282,
-        260,
-        3767,
-        10215,
-        314,
-        1182,
-        216,
-        34,
-        32,
-        34,
-        36,
-        28,
-        284,
-        357,
-        2744,
-        281,
-        253,
-        1345,
-        30,
-        1,
-    ],
+    [504, 3458, 282, 4649, 314, 7042, 30, 378, 1345, 282, 260, 3767, 10215, 314, 1182, 216, 34, 32, 34, 36, 28, 284]
+    + [357, 2744, 281, 253, 1345, 30, 1],
     dtype=np.int32,
 )
+
+
+PROMPT = "The capital of France is Paris. In 2024, 12345 apples cost $3.50, and the train left at 10:45."
+
+
+def _prompt_ids(folder) -> np.ndarray:
+    """The prompt as the model's own tokenizer encodes it, BOS included when the tokenizer adds it."""
+    from transformers import AutoTokenizer
+
+    return np.asarray(AutoTokenizer.from_pretrained(folder)(PROMPT)["input_ids"], dtype=np.int32)
 
 
 def _kl(reference_logits: np.ndarray, logits: np.ndarray) -> float:
@@ -54,25 +38,30 @@ def _kl(reference_logits: np.ndarray, logits: np.ndarray) -> float:
     return float(np.mean((np.exp(p) * (p - q)).sum(axis=-1)))
 
 
-@pytest.mark.parametrize("kind", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
-def test_f16_gguf_matches_transformers(kind, request, tmp_path):
-    """Same next-token distributions from llama.cpp on our F16 file as from transformers on the folder.
-
-    This is what catches a wrong q/k permutation, a missing bias or a wrong norm epsilon: each of those moves
-    the logits far more than F16 rounding does.
-    """
-    folder = request.getfixturevalue(kind)
-    out = tmp_path / "model-f16.gguf"
-    facts = convert_hf_to_gguf(folder, out, outtype="f16")
-    assert facts["pre"] == "smollm" and facts["tokenizer"] == "gpt2"
-    reference = TorchRunner.from_folder(folder, threads=2).logits(PROMPT_IDS)
-    runner = LlamaCppRunner(out, context=64, threads=2)
+def _gguf_logits(path, ids) -> np.ndarray:
+    runner = LlamaCppRunner(path, context=64, threads=2)
     try:
-        ours = runner.logits(PROMPT_IDS)
+        return runner.logits(ids)
     finally:
         runner.close()
+
+
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_f16_gguf_matches_transformers(kind, tiny_model, tmp_path):
+    """Same next-token distributions from llama.cpp on the F16 file as from transformers on the folder.
+
+    This is what catches a wrong q/k permutation, a missing bias, a norm in the wrong place or a wrong epsilon:
+    each of those moves the logits far more than F16 rounding does.
+    """
+    folder = tiny_model(kind)
+    out = tmp_path / "model-f16.gguf"
+    convert_hf_to_gguf(folder, out, outtype="f16", log_path=tmp_path / "convert.log")
+    ids = _prompt_ids(folder)
+    assert (ids[0] == bos_token_id(folder)) == (bos_token_id(folder) is not None)
+    reference = TorchRunner.from_folder(folder, threads=2).logits(ids)
+    ours = _gguf_logits(out, ids)
     assert ours.shape == reference.shape
-    assert _kl(reference, ours) < 1e-4
+    assert _kl(reference, ours) < 1e-4, kind
     assert np.mean(ours.argmax(-1) == reference.argmax(-1)) > 0.95
 
 
@@ -92,17 +81,26 @@ def test_f16_gguf_matches_transformers_on_smollm2(smollm2_dir, tmp_path):
     assert "Paris" in text
 
 
-def test_tokenizer_metadata_round_trips(tiny_llama, tmp_path):
-    """llama.cpp tokenizes with the metadata we wrote exactly as the HF tokenizer does, digits included."""
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_tokenizer_and_bos_round_trip(kind, tiny_model, tmp_path):
+    """llama.cpp tokenizes with the converted metadata exactly as the HF tokenizer does, digits, specials and the
+    BOS the tokenizer adds (none for SmolLM2's, always for the Gemma-style copy) included."""
     from llama_cpp import Llama
     from transformers import AutoTokenizer
 
+    folder = tiny_model(kind)
     out = tmp_path / "tiny.gguf"
-    convert_hf_to_gguf(tiny_llama, out)
+    convert_hf_to_gguf(folder, out)
     text = "In 2024, 12345 apples cost $3.50 — naïve café 🚀 <|im_start|>user"
-    expected = AutoTokenizer.from_pretrained(tiny_llama)(text, add_special_tokens=False)["input_ids"]
+    expected = AutoTokenizer.from_pretrained(folder)(text)["input_ids"]
     llm = Llama(str(out), vocab_only=True, verbose=False)
-    assert llm.tokenize(text.encode(), add_bos=False, special=True) == expected
+    adds_bos = bos_token_id(folder) is not None
+    assert adds_bos == (kind == "gemma3")
+    assert llm.metadata.get("tokenizer.ggml.add_bos_token", "false") == str(adds_bos).lower()
+    if adds_bos:  # the SentencePiece tokenizer has no chat tokens
+        text = text.replace(" <|im_start|>user", "")
+        expected = AutoTokenizer.from_pretrained(folder)(text)["input_ids"]
+    assert llm.tokenize(text.encode(), add_bos=adds_bos, special=True) == expected
 
 
 def test_k_quants_apply_without_fallback_on_multiple_of_256_widths(tiny_llama, tmp_path):
@@ -118,11 +116,23 @@ def test_k_quants_apply_without_fallback_on_multiple_of_256_widths(tiny_llama, t
     assert types["token_embd.weight"] == "Q6_K"
 
 
+def test_supported_architectures_come_from_the_converter():
+    known = supported_architectures()
+    assert len(known) > 100
+    for name in ("LlamaForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Qwen2MoeForCausalLM"):
+        assert name in known and architecture_problem(name) is None
+    assert "is not one llama.cpp's GGUF converter knows" in architecture_problem("MadeUpForCausalLM")
+
+
 def test_unsupported_architecture_is_a_clear_error(tiny_llama, tmp_path):
-    folder = tmp_path / "gpt2ish"
+    folder = tmp_path / "unknown"
     folder.mkdir()
+    for file in tiny_llama.iterdir():
+        (folder / file.name).symlink_to(file)
+    (folder / "config.json").unlink()
     config = json.loads((tiny_llama / "config.json").read_text())
-    config["architectures"] = ["GPT2LMHeadModel"]
+    config["architectures"] = ["MadeUpForCausalLM"]
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(QuantforgeError, match="GPT2LMHeadModel is not supported for GGUF"):
-        convert_hf_to_gguf(folder, tmp_path / "x.gguf")
+    with pytest.raises(QuantforgeError, match=r"GGUF converter \(llama-cpp-python [0-9.]+\) failed: .*MadeUpForCausalLM"):
+        convert_hf_to_gguf(folder, tmp_path / "x.gguf", log_path=tmp_path / "convert.log")
+    assert not (tmp_path / "x.gguf").exists()

@@ -94,7 +94,7 @@ def test_one_failing_model_does_not_stop_the_others(tiny_llama, tmp_path):
         [{"model": str(broken)}, {"model": str(tiny_llama), "formats": ["gguf-q8_0"]}],
     )
     result = quantforge_cli("release", str(path))
-    assert result.returncode == 1
+    assert result.returncode == 3  # errors.EXIT_FORMATS_FAILED
     assert "failed: broken/prepare:" in result.stderr and "is not a causal LM" in result.stderr
     assert "(retry: quantforge build" in result.stderr
     assert "tiny-llama: recommended gguf-q8_0" in result.stdout

@@ -79,6 +79,9 @@ class Backend(abc.ABC):
     needs_calibration: ClassVar[bool] = False
     # A regex with groups (done, total) for the library's progress lines in its log, shown as our progress bar.
     progress_pattern: ClassVar[str | None] = None
+    # The importable module of the library that loads this backend's artifacts for evaluation (named, with its
+    # version, when evaluation fails); quantization failures name the first of ``requires``.
+    runtime_module: ClassVar[str] = "transformers"
 
     def unavailable_reason(self) -> str | None:
         """Why this backend cannot run on this host, or None. Must not import the heavy library."""
@@ -88,8 +91,20 @@ class Backend(abc.ABC):
         return None
 
     def check(self, source: "SourceModel", fmt: Format, settings: dict) -> list[str]:
-        """Problems that would make quantization fail, found before any work starts."""
+        """Problems with the user's input that would make quantization fail: the build is refused up front."""
         return []
+
+    def unsupported(self, source: "SourceModel", fmt: Format) -> str | None:
+        """Why the library cannot make this format for this model (its architecture, say), or None.
+
+        Unlike ``check``, this fails only this format, up front, and the build goes on with the others.
+        """
+        return None
+
+    def library(self, stage: str = "quantize") -> str:
+        """The library (with its version) that runs ``stage`` ("quantize" or "evaluate"), for failure reports."""
+        module = self.runtime_module if stage == "evaluate" else (self.requires[0] if self.requires else self.name)
+        return library_version(module)
 
     @abc.abstractmethod
     def quantize(self, job: QuantizeJob) -> dict:
@@ -106,6 +121,15 @@ class Backend(abc.ABC):
     def probe_target(self, artifact_dir: Path) -> tuple[str, Path] | str:
         """(runtime, path) for the decode-speed probe in the format's own runtime, or why this host has none."""
         return f"no runtime for {self.name} artifacts on this host"
+
+
+def library_version(module: str) -> str:
+    """``gptqmodel 7.6.0`` for an importable module name, from the installed distribution's metadata."""
+    distributions = importlib.metadata.packages_distributions().get(module) or [module]
+    try:
+        return f"{distributions[0]} {importlib.metadata.version(distributions[0])}"
+    except importlib.metadata.PackageNotFoundError:
+        return module
 
 
 def load_backends() -> dict[str, Backend]:

@@ -30,7 +30,13 @@ class AutoRoundBackend(LlamaCppBackend):
     progress_pattern = r"Quantizing model\.layers\.(\d+).*?/(\d+)"
 
     def check(self, source, fmt, settings: dict) -> list[str]:
-        return super().check(source, fmt, settings)
+        # auto-round writes the GGUF with its own copy of llama.cpp's conversion code: no converter to check for.
+        if not (source.path / "tokenizer.json").exists():
+            return [f"{source.path} has no tokenizer.json, which auto-round's GGUF export needs"]
+        return []
+
+    def unsupported(self, source, fmt) -> str | None:
+        return None  # auto-round's own conversion code decides; a failure there fails only this format
 
     def quantize(self, job: QuantizeJob) -> dict:
         from collections import Counter

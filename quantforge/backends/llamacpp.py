@@ -1,6 +1,7 @@
-"""GGUF formats through llama.cpp's own quantizer (llama-cpp-python), from an F16 GGUF that quantforge converts.
+"""GGUF formats through llama.cpp's own converter and quantizer, at the llama.cpp version llama-cpp-python runs.
 
-The F16 file is a shared intermediate of the run: converted once, quantized into every asked GGUF type.
+The F16 file is a shared intermediate of the run: converted once (``quantforge.llamacpp_convert``), quantized into
+every asked GGUF type by ``llama_model_quantize``.
 """
 
 from __future__ import annotations
@@ -118,30 +119,36 @@ class LlamaCppBackend(Backend):
     formats = {name: _gguf_format(name) for name in FILE_TYPES}
     requires = ("llama_cpp", "gguf")
     extra = "gguf"
+    runtime_module = "llama_cpp"
 
     def check(self, source, fmt: Format, settings: dict) -> list[str]:
-        from ..gguf_convert import architecture_problem
+        from ..llamacpp_convert import find_converter
 
-        problems = []
-        problem = architecture_problem({"architectures": [source.config.get("architecture")]})
-        if problem:
-            problems.append(problem)
-        if not (source.path / "tokenizer.json").exists():
-            problems.append(f"{source.path} has no tokenizer.json, which GGUF conversion needs")
-        return problems
+        find_converter()  # not installed: a one-line error saying how to install it, before any work
+        tokenizer_files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken")
+        if not any((source.path / name).exists() for name in tokenizer_files):
+            return [f"{source.path} has no tokenizer files ({', '.join(tokenizer_files)}), which GGUF conversion needs"]
+        return []
+
+    def unsupported(self, source, fmt: Format) -> str | None:
+        from ..llamacpp_convert import architecture_problem
+
+        return architecture_problem(source.config.get("architecture"))
 
     def quantize(self, job: QuantizeJob) -> dict:
-        from ..gguf_convert import convert_hf_to_gguf
+        from ..llamacpp_convert import convert_hf_to_gguf, describe
 
         f16 = job.intermediate(
             "gguf-f16",
-            lambda out: convert_hf_to_gguf(job.source.path, out, outtype="f16", name=job.source.name),
+            lambda out: convert_hf_to_gguf(
+                job.source.path, out, outtype="f16", name=job.source.name, log_path=job.log_dir / "convert-gguf.log"
+            ),
             suffix=".gguf",
         )
         scheme, ftype = FILE_TYPES[job.format.name]
         job.out.mkdir(parents=True)
         target = job.out / f"{job.source.name}-{scheme}.gguf"
-        facts: dict = {"converter": "quantforge.gguf_convert", "quantizer": "llama.cpp llama_model_quantize"}
+        facts: dict = {"converter": describe(), "quantizer": "llama.cpp llama_model_quantize"}
         if job.format.name == "gguf-f16":
             try:
                 os.link(f16, target)  # the intermediate is already this artifact; a hard link costs no space

@@ -1,0 +1,176 @@
+"""Hugging Face folder -> F16 GGUF through llama.cpp's own converter, at the llama.cpp version the runtime runs.
+
+llama.cpp's ``convert_hf_to_gguf.py`` knows over a hundred architectures and is maintained with the runtime, so
+quantforge does not write GGUF files itself. The converter is taken from the sdist of the installed
+``llama-cpp-python`` (its vendored ``vendor/llama.cpp``: the script, its ``conversion/`` package and its own
+``gguf-py``), so the file is written by exactly the llama.cpp that later loads and quantizes it. Only those parts
+are kept, in quantforge's cache; ``quantforge setup`` (run by ``scripts/install.sh``) fetches them once, so a
+build works offline afterwards.
+
+Why not auto-round's copy of the same code (``auto_round/export/export_to_gguf/conversion``): it is llama.cpp as it
+was when that auto-round release was cut, which can be older or newer than the llama.cpp that runs the file, and it
+is wired into auto-round's export rather than runnable on its own.
+
+The converter runs in a child process with its own ``gguf-py`` first on the path: the pip ``gguf`` package that
+quantforge uses to read files is a different release, and the converter fails with it.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from functools import lru_cache
+from pathlib import Path
+
+from .errors import QuantforgeError
+
+DISTRIBUTION = "llama-cpp-python"
+# What the converter needs of the vendored tree: the script, its per-architecture package, its own gguf-py.
+CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion", "gguf-py", "LICENSE")
+OUT_TYPES = ("f16", "bf16", "f32")
+
+
+def runtime_version() -> str:
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise QuantforgeError(
+            "GGUF formats need llama-cpp-python, which is not installed: pip install 'quantforge[gguf]'"
+        ) from None
+
+
+def describe() -> str:
+    """How the card and errors name the converter."""
+    return f"llama.cpp's convert_hf_to_gguf.py (as vendored in llama-cpp-python {runtime_version()})"
+
+
+def converter_dir(version: str | None = None) -> Path:
+    from .source import cache_root
+
+    return cache_root() / "llama.cpp-convert" / (version or runtime_version())
+
+
+def _download_sdist(version: str, into: Path) -> Path:
+    """The llama-cpp-python sdist of this version, through pip (the only index this may reach)."""
+    into.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:"]
+    done = subprocess.run(
+        [*command, f"{DISTRIBUTION}=={version}", "-d", str(into)], capture_output=True, text=True
+    )
+    archives = sorted(into.glob(f"llama_cpp_python-{version}.tar.gz"))
+    if done.returncode != 0 or not archives:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise QuantforgeError(
+            f"could not fetch the llama-cpp-python {version} sdist for llama.cpp's GGUF converter ({last}); "
+            "run ./scripts/install.sh (or 'quantforge setup') once where the package index can be reached"
+        )
+    return archives[0]
+
+
+def install_converter(sdist: Path | None = None) -> Path:
+    """Unpack the converter's parts of the sdist into the cache (atomically); return the folder."""
+    from .fsutil import partial_name, remove_path
+
+    version = runtime_version()
+    target = converter_dir(version)
+    if (target / "convert_hf_to_gguf.py").exists():
+        return target
+    scratch = partial_name(target)
+    remove_path(scratch)
+    scratch.mkdir(parents=True)
+    try:
+        archive = sdist or _download_sdist(version, scratch / "sdist")
+        prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
+        with tarfile.open(archive) as tar:
+            members = [
+                m for m in tar.getmembers() if m.name.startswith(prefix) and m.name[len(prefix) :].split("/")[0]
+                in CONVERTER_PARTS
+            ]
+            if not any(m.name.endswith("convert_hf_to_gguf.py") for m in members):
+                raise QuantforgeError(f"{archive} holds no vendor/llama.cpp/convert_hf_to_gguf.py")
+            tar.extractall(scratch / "tree", members=members, filter="data")
+        remove_path(scratch / "sdist")
+        shutil.move(str(scratch / "tree" / prefix.rstrip("/")), str(scratch / "llama.cpp"))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(scratch / "llama.cpp", target)
+    finally:
+        remove_path(scratch)
+    return target
+
+
+def find_converter() -> Path:
+    """The installed converter folder, or a one-line error saying how to get it."""
+    folder = converter_dir()
+    if not (folder / "convert_hf_to_gguf.py").exists():
+        raise QuantforgeError(
+            f"llama.cpp's GGUF converter for llama-cpp-python {runtime_version()} is not in {folder.parent}; "
+            "run 'quantforge setup' (./scripts/install.sh does) once where the package index can be reached"
+        )
+    return folder
+
+
+@lru_cache(maxsize=4)
+def _architectures_in(folder: Path) -> frozenset[str]:
+    """The HF architecture names the converter maps to a model class (its TEXT_MODEL_MAP), read without running it."""
+    tree = ast.parse((folder / "conversion" / "__init__.py").read_text())
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        if isinstance(target, ast.Name) and target.id == "TEXT_MODEL_MAP":
+            return frozenset(ast.literal_eval(node.value))
+    raise QuantforgeError(f"{folder / 'conversion' / '__init__.py'} has no TEXT_MODEL_MAP: an unknown converter layout")
+
+
+def supported_architectures() -> frozenset[str]:
+    return _architectures_in(find_converter())
+
+
+def architecture_problem(architecture: str | None) -> str | None:
+    """Why llama.cpp's converter cannot convert this architecture, or None."""
+    if architecture in supported_architectures():
+        return None
+    return (
+        f"architecture {architecture or 'unknown'} is not one llama.cpp's GGUF converter knows "
+        f"(llama.cpp as vendored in llama-cpp-python {runtime_version()}); GGUF formats cannot be made for it"
+    )
+
+
+def convert_hf_to_gguf(folder: Path, out_path: Path, *, outtype: str = "f16", name: str | None = None,
+                       log_path: Path | None = None) -> dict:
+    """Write ``out_path`` (a .gguf) from the HF folder with llama.cpp's converter; return facts about it."""
+    if outtype not in OUT_TYPES:
+        raise QuantforgeError(f"unknown GGUF output type {outtype!r}; choose one of {', '.join(OUT_TYPES)}")
+    converter = find_converter()
+    command = [sys.executable, str(converter / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype,
+               "--outfile", str(out_path)]
+    if name:
+        command += ["--model-name", name]
+    # Its own gguf-py comes first (the script puts it there itself unless NO_LOCAL_GGUF is set).
+    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(converter / "gguf-py"), env.get("PYTHONPATH")]))
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if log_path is not None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "a") as log:
+            log.write(f"$ {' '.join(command)}\n{done.stdout}{done.stderr}\n")
+    if done.returncode != 0 or not out_path.exists():
+        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        last = lines[-1] if lines else f"exit status {done.returncode}"
+        where = f"; see {log_path}" if log_path else ""
+        raise QuantforgeError(f"llama.cpp's GGUF converter (llama-cpp-python {runtime_version()}) failed: {last}{where}")
+    return {"converter": describe(), "outtype": outtype}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m quantforge.llamacpp_convert [SDIST]``: install the converter into the cache."""
+    args = sys.argv[1:] if argv is None else argv
+    print(install_converter(Path(args[0]) if args else None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
