@@ -150,6 +150,21 @@ def quantize_activations_per_token(module: torch.nn.Module, args):
     return (torch.round(x / scale).clamp(-128, 127) * scale,)
 
 
+# Fused projections some architectures have (Phi-3), and the parts a quantizer may have saved them as instead:
+# GPTQModel 7.6 quantizes Phi-3's gate_up_proj as gate_proj and up_proj (vLLM re-fuses them when it loads).
+FUSED_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "qkv_proj": ("q_proj", "k_proj", "v_proj")}
+
+
+def fuse_split_projections(state: dict[str, torch.Tensor], expected: set[str]) -> None:
+    """Concatenate saved parts (in the model's own output order) into the fused weight the architecture expects."""
+    for name in sorted(expected - set(state)):
+        owner, _, leaf = name.rpartition(".")
+        module, _, fused = owner.rpartition(".")
+        parts = [f"{module}.{part}.{leaf}" for part in FUSED_PARTS.get(fused, ())]
+        if parts and all(part in state for part in parts):
+            state[name] = torch.cat([state.pop(part) for part in parts], dim=0)
+
+
 def float_model_from_artifact(folder: Path, *, trust_remote_code: bool = False) -> torch.nn.Module:
     """A float32 model holding the dequantized weights of a quantized HF folder (activations simulated too)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -162,6 +177,7 @@ def float_model_from_artifact(folder: Path, *, trust_remote_code: bool = False) 
 
     with no_init_weights():  # every weight is overwritten below: skip the random initialisation
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    fuse_split_projections(state, set(model.state_dict()))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:

@@ -778,8 +778,9 @@ class Build:
                     self.make(choice)
                     self.measure(choice)
                 except StageFailed as failure:
+                    if failure.record.get("stage") != "check":  # those were told up front
+                        self.ui.log(f"[red]✗[/red] {failure}")
                     self.failures[choice.key] = failure.record
-                    self.ui.log(f"[red]✗[/red] {failure}")
                 else:
                     self.failures.pop(choice.key, None)
                 self.record_failures()

@@ -12,6 +12,7 @@ artifacts reproducible.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -43,12 +44,33 @@ def _drop_local_paths(folder: Path) -> None:
             path.write_text(json.dumps(data, indent=2) + "\n")
 
 
+def per_layer_type_rope(config: dict) -> bool:
+    """RoPE parameters given per attention-layer type (Gemma 3: {"sliding_attention": {...}, "full_attention": ...})."""
+    text = config.get("text_config") or config
+    rope = text.get("rope_parameters") or {}
+    return isinstance(rope, dict) and any(isinstance(value, dict) for value in rope.values())
+
+
 class GPTQModelBackend(HFFolderBackend):
     name = "gptqmodel"
     formats = FORMATS
     requires = ("gptqmodel", "optimum")
     extra = "gptq"
     progress_pattern = r"Quantizing layer (\d+) of (\d+)"  # 0-based index of the layer, index of the last one
+
+    def unsupported(self, source, fmt) -> str | None:
+        # Their bug, not our call (found on Gemma 3): GPTQModel 7.6's config normalization
+        # (gptqmodel.utils.hf._normalize_rope_parameters_config_compat) writes flat rope_type/rope_theta keys into
+        # rope_parameters that are given per layer type, and transformers 5 rejects that config when GPTQModel
+        # saves the quantized model ("'str' object has no attribute 'get'" in validate_rope), after all the work.
+        config = json.loads((source.path / "config.json").read_text())
+        if per_layer_type_rope(config):
+            alternative = "; use --backend llmcompressor for it" if fmt.name.startswith("gptq-") else ""
+            return (
+                f"{self.library()} cannot save {source.config.get('architecture')} models: it rewrites their "
+                f"per-layer-type RoPE parameters into a config transformers rejects{alternative}"
+            )
+        return None
 
     def quantize(self, job: QuantizeJob) -> dict:
         os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(2, job.threads)))
