@@ -54,5 +54,11 @@ def describe_failure(key: str, stage: str, library: str, exc: BaseException, log
 
 def unsupported_record(key: str, library: str, reason: str) -> dict:
     """A format refused up front because its library cannot handle the model."""
-    return {"key": key, "stage": "check", "library": library, "error": reason, "log": None,
-            "line": f"{key}: not made: {reason}"}
+    return {
+        "key": key,
+        "stage": "check",
+        "library": library,
+        "error": reason,
+        "log": None,
+        "line": f"{key}: not made: {reason}",
+    }

@@ -59,9 +59,7 @@ def _download_sdist(version: str, into: Path) -> Path:
     """The llama-cpp-python sdist of this version, through pip (the only index this may reach)."""
     into.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:"]
-    done = subprocess.run(
-        [*command, f"{DISTRIBUTION}=={version}", "-d", str(into)], capture_output=True, text=True
-    )
+    done = subprocess.run([*command, f"{DISTRIBUTION}=={version}", "-d", str(into)], capture_output=True, text=True)
     archives = sorted(into.glob(f"llama_cpp_python-{version}.tar.gz"))
     if done.returncode != 0 or not archives:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -88,8 +86,9 @@ def install_converter(sdist: Path | None = None) -> Path:
         prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
         with tarfile.open(archive) as tar:
             members = [
-                m for m in tar.getmembers() if m.name.startswith(prefix) and m.name[len(prefix) :].split("/")[0]
-                in CONVERTER_PARTS
+                m
+                for m in tar.getmembers()
+                if m.name.startswith(prefix) and m.name[len(prefix) :].split("/")[0] in CONVERTER_PARTS
             ]
             if not any(m.name.endswith("convert_hf_to_gguf.py") for m in members):
                 raise QuantforgeError(f"{archive} holds no vendor/llama.cpp/convert_hf_to_gguf.py")
@@ -119,7 +118,11 @@ def _architectures_in(folder: Path) -> frozenset[str]:
     """The HF architecture names the converter maps to a model class (its TEXT_MODEL_MAP), read without running it."""
     tree = ast.parse((folder / "conversion" / "__init__.py").read_text())
     for node in tree.body:
-        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        target = (
+            node.target
+            if isinstance(node, ast.AnnAssign)
+            else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        )
         if isinstance(target, ast.Name) and target.id == "TEXT_MODEL_MAP":
             return frozenset(ast.literal_eval(node.value))
     raise QuantforgeError(f"{folder / 'conversion' / '__init__.py'} has no TEXT_MODEL_MAP: an unknown converter layout")
@@ -139,14 +142,22 @@ def architecture_problem(architecture: str | None) -> str | None:
     )
 
 
-def convert_hf_to_gguf(folder: Path, out_path: Path, *, outtype: str = "f16", name: str | None = None,
-                       log_path: Path | None = None) -> dict:
+def convert_hf_to_gguf(
+    folder: Path, out_path: Path, *, outtype: str = "f16", name: str | None = None, log_path: Path | None = None
+) -> dict:
     """Write ``out_path`` (a .gguf) from the HF folder with llama.cpp's converter; return facts about it."""
     if outtype not in OUT_TYPES:
         raise QuantforgeError(f"unknown GGUF output type {outtype!r}; choose one of {', '.join(OUT_TYPES)}")
     converter = find_converter()
-    command = [sys.executable, str(converter / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype,
-               "--outfile", str(out_path)]
+    command = [
+        sys.executable,
+        str(converter / "convert_hf_to_gguf.py"),
+        str(folder),
+        "--outtype",
+        outtype,
+        "--outfile",
+        str(out_path),
+    ]
     if name:
         command += ["--model-name", name]
     # Its own gguf-py comes first (the script puts it there itself unless NO_LOCAL_GGUF is set).
@@ -161,7 +172,9 @@ def convert_hf_to_gguf(folder: Path, out_path: Path, *, outtype: str = "f16", na
         lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
         last = lines[-1] if lines else f"exit status {done.returncode}"
         where = f"; see {log_path}" if log_path else ""
-        raise QuantforgeError(f"llama.cpp's GGUF converter (llama-cpp-python {runtime_version()}) failed: {last}{where}")
+        raise QuantforgeError(
+            f"llama.cpp's GGUF converter (llama-cpp-python {runtime_version()}) failed: {last}{where}"
+        )
     return {"converter": describe(), "outtype": outtype}
 
 

@@ -376,7 +376,11 @@ class Build:
             reason = choice.backend.unsupported(self.source, choice.format)
             if reason:
                 failures[choice.key] = unsupported_record(choice.key, choice.backend.library(), reason)
-                self.ui.log(f"[red]✗[/red] {failures[choice.key]['line']}")
+        if failures and len(failures) == len(self.plan.choices):
+            # Nothing asked for can be made: refuse before any work, as for any other bad input.
+            raise QuantforgeError(next(iter(failures.values()))["line"])
+        for failure in failures.values():
+            self.ui.log(f"[red]✗[/red] {failure['line']}")
         return failures
 
     def record_failures(self) -> None:

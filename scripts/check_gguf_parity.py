@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
-"""Compare quantforge's HF -> GGUF converter with llama.cpp's own convert_hf_to_gguf.py, tensor by tensor.
+"""Compare quantforge's GGUF path with llama.cpp's own tools run by hand, tensor by tensor.
 
-llama.cpp's converter is taken from the vendored tree of the llama-cpp-python sdist matching the installed
-version (downloaded with pip into quantforge's cache, never into this repo) and run with its own gguf-py.
-Both F16 files are then quantized by llama.cpp to Q4_K_M, and those compared too.
+quantforge converts with llama.cpp's convert_hf_to_gguf.py from the converter parts it keeps in its cache
+(``quantforge setup``) and quantizes with llama_model_quantize; this script runs convert_hf_to_gguf.py from the
+whole vendored tree of the llama-cpp-python sdist matching the installed version (downloaded with pip into
+quantforge's cache, never into this repo), with its own gguf-py. Both F16 files are then quantized by llama.cpp to
+Q4_K_M, and those compared too. It catches a converter cache that drifted from the runtime, and anything the
+pipeline adds or loses on the way.
 
 Goal: tensor data byte-identical; metadata equal except naming keys (general.*).
 
-    python scripts/check_gguf_parity.py                 # the bundled SmolLM2-135M
-    python scripts/check_gguf_parity.py --model DIR     # any llama/mistral/qwen2/qwen3 folder
+    python scripts/check_gguf_parity.py                      # the bundled SmolLM2-135M
+    python scripts/check_gguf_parity.py --model DIR [--model DIR2 ...]
+    python scripts/check_gguf_parity.py --tiny-all           # every architecture of the tests (tests/tiny_models.py)
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from llamacpp_tools import source_tree  # noqa: E402
 
 from quantforge.backends.llamacpp import quantize_gguf  # noqa: E402
-from quantforge.gguf_convert import convert_hf_to_gguf  # noqa: E402
+from quantforge.llamacpp_convert import convert_hf_to_gguf  # noqa: E402
 from quantforge.source import BUNDLED  # noqa: E402
 
 NAMING_PREFIX = "general."
@@ -102,26 +106,43 @@ def compare(ours: Path, theirs: Path, label: str) -> int:
     return problems
 
 
+def check_model(model: Path, work: Path) -> int:
+    work.mkdir(parents=True, exist_ok=True)
+    ours, theirs = work / "quantforge-f16.gguf", work / "llama.cpp-f16.gguf"
+    convert_hf_to_gguf(model, ours, outtype="f16", name=model.name)
+    run_llama_cpp_converter(model, theirs)
+    problems = compare(ours, theirs, f"{model.name} F16")
+    for source in (ours, theirs):
+        quantize_gguf(source, source.with_name(source.stem.replace("f16", "q4km") + ".gguf"), 15, 2, work / "q.log")
+    return problems + compare(work / "quantforge-q4km.gguf", work / "llama.cpp-q4km.gguf", f"{model.name} Q4_K_M")
+
+
+def tiny_models(folder: Path) -> list[Path]:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_models import ARCHITECTURES, build_tiny_model, folder_name
+
+    smollm2 = BUNDLED["smollm2-135m"](print)
+    return [build_tiny_model(kind, smollm2, folder / folder_name(kind)) for kind in ARCHITECTURES]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, help="HF folder (default: the bundled SmolLM2-135M)")
-    parser.add_argument("--keep", type=Path, help="keep the four GGUF files in this folder")
+    parser.add_argument("--model", type=Path, action="append", help="HF folder (default: the bundled SmolLM2-135M)")
+    parser.add_argument("--tiny-all", action="store_true", help="every tiny test architecture (tests/tiny_models.py)")
+    parser.add_argument("--keep", type=Path, help="keep the GGUF files in this folder")
     args = parser.parse_args()
-    model = args.model or BUNDLED["smollm2-135m"](print)
     with tempfile.TemporaryDirectory() as scratch:
         work = args.keep or Path(scratch)
-        work.mkdir(parents=True, exist_ok=True)
-        ours, theirs = work / "quantforge-f16.gguf", work / "llama.cpp-f16.gguf"
-        convert_hf_to_gguf(model, ours, outtype="f16", name=model.name)
-        run_llama_cpp_converter(model, theirs)
-        problems = compare(ours, theirs, "F16")
-        for source in (ours, theirs):
-            quantize_gguf(
-                source, source.with_name(source.stem.replace("f16", "q4km") + ".gguf"), 15, 2, work / "quantize.log"
-            )
-        problems += compare(work / "quantforge-q4km.gguf", work / "llama.cpp-q4km.gguf", "Q4_K_M")
-    print("PARITY OK" if problems == 0 else f"PARITY FAILED: {problems} differences")
-    return 0 if problems == 0 else 1
+        models = list(args.model or [])
+        if args.tiny_all:
+            models += tiny_models(work / "models")
+        models = models or [BUNDLED["smollm2-135m"](print)]
+        problems = {model.name: check_model(model, work / model.name) for model in models}
+    for name, count in problems.items():
+        print(f"{name}: {'identical' if count == 0 else f'{count} differences'}")
+    total = sum(problems.values())
+    print("PARITY OK" if total == 0 else f"PARITY FAILED: {total} differences")
+    return 0 if total == 0 else 1
 
 
 if __name__ == "__main__":

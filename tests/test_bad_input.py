@@ -65,14 +65,15 @@ def test_folder_that_is_not_a_causal_lm(run_copy, tiny_llama, tmp_path):
 
 
 def test_architecture_gguf_cannot_convert(tiny_llama, tmp_path):
-    folder = tmp_path / "gpt2like"
+    """An architecture llama.cpp's converter does not know, and only GGUF asked for: refused before any work."""
+    folder = tmp_path / "madeup"
     shutil.copytree(tiny_llama, folder)
     config = json.loads((folder / "config.json").read_text())
-    config["architectures"] = ["GPT2LMHeadModel"]
+    config["architectures"] = ["MadeUpForCausalLM"]
     (folder / "config.json").write_text(json.dumps(config))
     run = tmp_path / "run"
     result = quantforge_cli("build", str(folder), "--formats", "gguf-q4km", "--out", str(run), *FAST_EVAL)
-    assert_clean_error(result, "GPT2LMHeadModel is not supported for GGUF")
+    assert_clean_error(result, "MadeUpForCausalLM is not one llama.cpp's GGUF converter knows", "llama-cpp-python 0.")
     assert not (run / "artifacts").exists()
 
 

@@ -98,9 +98,9 @@ SP_SPECIALS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>",
 def write_sentencepiece_tokenizer(folder: Path) -> None:
     """A Gemma-layout SentencePiece BPE tokenizer (tokenizer.model + tokenizer.json), the same bytes every time."""
     import io
+    from pydoc_data.topics import topics
 
     import sentencepiece
-    from pydoc_data.topics import topics
     from transformers import AutoTokenizer
 
     lines = [line for key in sorted(topics) for line in topics[key].splitlines() if line.strip()]

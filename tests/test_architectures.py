@@ -1,0 +1,149 @@
+"""Every test architecture through the whole pipeline: GGUF through llama.cpp's own converter and quantizer, one
+torch format through its library, each artifact evaluated from disk in its runtime against the float reference.
+
+A library that cannot handle a model fails that format alone, with one line; the others are finished and the
+build exits 3 (errors.EXIT_FORMATS_FAILED). These run the real libraries on tiny random models of each family.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import WIKITEXT, quantforge_cli, read_json
+from tiny_models import ARCHITECTURES
+
+from quantforge.errors import EXIT_FORMATS_FAILED
+
+# Small but real: wikitext windows, a calibration set from C4's first documents.
+C4 = WIKITEXT.parents[1] / "calibration" / "c4-en-train-00000-sample.jsonl"
+ARCH_ARGS = [
+    *("--eval-text", str(WIKITEXT), "--ppl-context", "96", "--ppl-windows", "3", "--threads", "2", "--no-speed"),
+    *("--calibration", str(C4), "--calib-samples", "8", "--calib-seqlen", "64"),
+]
+# One torch format per architecture, both libraries covered; Gemma 3 also asks GPTQModel, which must refuse it.
+TORCH_FORMAT = {
+    "llama": "gptq-int4",
+    "mistral": "int8",
+    "qwen2": "gptq-int4",
+    "qwen3": "int8",
+    "gemma3": "int8,gptq-int4",
+    "phi3": "gptq-int4",
+    "qwen2_moe": "int8",
+    "olmo2": "gptq-int4",
+}
+ADDS_BOS = {"mistral", "gemma3"}  # their (SentencePiece) tokenizers put BOS in front of every text
+
+
+@pytest.fixture(scope="module")
+def arch_run(tiny_model, tmp_path_factory):
+    runs = {}
+
+    def run(kind: str):
+        if kind not in runs:
+            out = tmp_path_factory.mktemp("arch") / kind
+            formats = f"gguf-f16,gguf-q8_0,gguf-q4km,{TORCH_FORMAT[kind]}"
+            result = quantforge_cli("build", str(tiny_model(kind)), "--out", str(out), "--formats", formats, *ARCH_ARGS)
+            runs[kind] = (result, out)
+        return runs[kind]
+
+    return run
+
+
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_every_architecture_builds_and_matches_its_reference(kind, arch_run):
+    result, out = arch_run(kind)
+    card = read_json(out / "card.json")
+    formats = {entry["key"]: entry for entry in card["formats"]}
+    refused = {f["key"] for f in card["failed"]}
+    if kind == "gemma3":
+        assert result.returncode == EXIT_FORMATS_FAILED, result.stderr
+        assert refused == {"gptq-int4"}
+        line = card["failed"][0]["line"]
+        assert "GPTQModel 7.6.0 cannot save Gemma3ForCausalLM" in line and line in result.stderr
+        assert not (out / "artifacts" / "gptq-int4").exists()
+    else:
+        assert result.returncode == 0, result.stderr
+        assert refused == set()
+    made = [key for key in formats if key not in refused]
+    assert all(formats[key]["complete"] for key in made), result.stderr
+    metrics = {key: formats[key]["metrics"] for key in made}
+    # llama.cpp on the F16 file computes what transformers computes on the folder.
+    assert metrics["gguf-f16"]["kld_mean"] < 1e-4
+    assert metrics["gguf-f16"]["top1_agreement"] > 0.97
+    assert formats["gguf-f16"]["how"]["runtime"] == "llama.cpp"
+    # Quantization error shows, and grows with compression; no format is broken (a wrong SmoothQuant mapping
+    # once gave Gemma 3's int8 +754% perplexity).
+    assert metrics["gguf-f16"]["kld_mean"] < metrics["gguf-q8_0"]["kld_mean"] < metrics["gguf-q4km"]["kld_mean"]
+    for key in made:
+        assert abs(metrics[key]["perplexity_increase_pct"]) < 10, (key, metrics[key])
+        assert metrics[key]["kld_mean"] < 0.5, (key, metrics[key])
+
+
+@pytest.mark.parametrize("kind", sorted(ADDS_BOS) + ["llama"])
+def test_windows_start_with_bos_exactly_when_the_tokenizer_adds_it(kind, arch_run, tiny_model):
+    from transformers import AutoTokenizer
+
+    _, out = arch_run(kind)
+    card = read_json(out / "card.json")
+    windows = np.load(out / "work" / "eval-windows.npy")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model(kind))
+    if kind in ADDS_BOS:
+        assert card["evaluation"]["bos_token_id"] == tokenizer.bos_token_id
+        assert (windows[:, 0] == tokenizer.bos_token_id).all()
+        assert (windows[:, 1:] != tokenizer.bos_token_id).all()  # then text: the first scored token is text
+        assert "starts with the BOS token" in (out / "card.md").read_text()
+    else:
+        assert card["evaluation"]["bos_token_id"] is None
+        assert "no BOS token" in (out / "card.md").read_text()
+    # Every runtime scored the same windows: the reference and each artifact counted the same tokens.
+    scored = {entry["metrics"]["tokens_scored"] for entry in card["formats"] if entry["complete"]}
+    assert scored == {card["reference"]["tokens_scored"]} == {windows.size - len(windows)}
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2_moe"])
+def test_compressed_tensors_artifact_loads_in_transformers(kind, arch_run):
+    """The int8 folder is what vLLM and transformers load: transformers reads it and generates."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _, out = arch_run(kind)
+    model = AutoModelForCausalLM.from_pretrained(out / "artifacts" / "int8", dtype=torch.float32)
+    generated = model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=4, do_sample=False)
+    assert generated.shape == (1, 8)
+
+
+def test_a_library_failure_fails_its_format_alone_and_a_rerun_retries_only_it(tiny_model, tmp_path):
+    """An OLMo 2 with tied embeddings converts and quantizes, but llama.cpp 0.3.36 cannot load it (its olmo2 loader
+    wants an output tensor): the GGUF format fails in evaluation, int8 is finished, the card lists the failure."""
+    import shutil
+
+    folder = tmp_path / "olmo2-tied"
+    shutil.copytree(tiny_model("olmo2"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    out = tmp_path / "run"
+    args = ["build", str(folder), "--out", str(out), "--formats", "gguf-q8_0,int8", *ARCH_ARGS]
+    first = quantforge_cli(*args)
+    assert first.returncode == EXIT_FORMATS_FAILED, first.stderr
+    card = read_json(out / "card.json")
+    [failure] = card["failed"]
+    assert failure["key"] == "gguf-q8_0" and failure["stage"] == "evaluate"
+    assert failure["library"].startswith("llama_cpp_python ") or failure["library"].startswith("llama-cpp-python ")
+    line = [ln for ln in first.stderr.splitlines() if ln.startswith("failed: gguf-q8_0")]
+    assert line and "Failed to load model" in line[0] and "(log: " in line[0]
+    assert "Traceback" in (out / failure["log"]).read_text()  # the details are in the log, not the terminal
+    assert "Traceback" not in first.stderr
+    verdicts = {v["key"]: v for v in card["decision"]["verdicts"]}
+    assert verdicts["gguf-q8_0"]["outcome"] == "failed"
+    assert card["decision"]["recommended"] == "int8"
+    stages = read_json(out / "run.json")["stages"]
+    assert "quantize/gguf-q8_0" in stages and "evaluate/gguf-q8_0" not in stages
+    started = {key: stage["started"] for key, stage in stages.items() if key != "fetch"}
+
+    second = quantforge_cli(*args)
+    assert second.returncode == EXIT_FORMATS_FAILED
+    after = read_json(out / "run.json")["stages"]
+    assert {key: after[key]["started"] for key in started} == started  # nothing finished was redone
+    assert read_json(out / "card.json")["failed"][0]["key"] == "gguf-q8_0"
