@@ -151,10 +151,10 @@ def decide(
     candidates: list[Candidate],
     targets: Targets,
     usable_gpu_gb: float | None = None,
-    failed: dict[str, str] | None = None,
+    failures: dict[str, str] | None = None,
 ) -> Decision:
     """``usable_gpu_gb``: what the GPU of ``targets.gpu`` offers weights and KV cache (see deploy.memory_fit);
-    each candidate then carries ``gpu_needed_gb`` in its metrics. ``failed``: formats that could not be made or
+    each candidate then carries ``gpu_needed_gb`` in its metrics. ``failures``: formats that could not be made or
     measured (key -> the one-line failure), listed last with that line as their reason."""
     limits = targets.limits(usable_gpu_gb)
     by_name = {t.name: t for t in limits}
@@ -206,7 +206,7 @@ def decide(
             closest = f"{nearest.key} comes closest: {nearest.reason}"
         else:
             closest = "no format has every targeted metric measured"
-    verdicts += [Verdict(key, "failed", line) for key, line in sorted((failed or {}).items())]
+    verdicts += [Verdict(key, "failed", line) for key, line in sorted((failures or {}).items())]
     return Decision(recommended.key if recommended else None, ranked + verdicts, best_per_family, closest)
 
 

@@ -155,9 +155,35 @@ def quantize_activations_per_token(module: torch.nn.Module, args):
 FUSED_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "qkv_proj": ("q_proj", "k_proj", "v_proj")}
 
 
+# transformers 5 holds a mixture of experts' weights as one 3-D parameter per projection ([experts, out, in];
+# gate_up_proj is gate then up), while checkpoints (and llm-compressor's, GPTQModel's outputs) keep one Linear per
+# expert: experts.{i}.gate_proj/up_proj/down_proj, or Mixtral's w1 (gate), w3 (up), w2 (down).
+EXPERT_PARTS = {
+    "gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")),
+    "down_proj": (("down_proj",), ("w2",)),
+}
+
+
+def _fuse_experts(state: dict[str, torch.Tensor], name: str) -> bool:
+    experts, _, fused = name.rpartition(".")
+    for parts in EXPERT_PARTS.get(fused, ()):
+        count = 0
+        while all(f"{experts}.{count}.{part}.weight" in state for part in parts):
+            count += 1
+        if count:
+            per_expert = [
+                torch.cat([state.pop(f"{experts}.{i}.{part}.weight") for part in parts], dim=0) for i in range(count)
+            ]
+            state[name] = torch.stack(per_expert)
+            return True
+    return False
+
+
 def fuse_split_projections(state: dict[str, torch.Tensor], expected: set[str]) -> None:
     """Concatenate saved parts (in the model's own output order) into the fused weight the architecture expects."""
     for name in sorted(expected - set(state)):
+        if _fuse_experts(state, name):
+            continue
         owner, _, leaf = name.rpartition(".")
         module, _, fused = owner.rpartition(".")
         parts = [f"{module}.{part}.{leaf}" for part in FUSED_PARTS.get(fused, ())]
@@ -186,8 +212,12 @@ def float_model_from_artifact(folder: Path, *, trust_remote_code: bool = False) 
         )
     model.tie_weights()
     activations = _activation_scheme(quant) if quant.get("quant_method") == "compressed-tensors" else None
+    model.quantforge_unsimulated = 0  # quantized Linears whose runtime activation quantization is not simulated
     if activations and activations.get("dynamic") and activations.get("num_bits") == 8:
         modules = dict(model.named_modules())
         for prefix in quantized:
-            modules[prefix].register_forward_pre_hook(quantize_activations_per_token)
+            if prefix in modules:
+                modules[prefix].register_forward_pre_hook(quantize_activations_per_token)
+            else:  # an expert's projection, now a slice of a fused 3-D parameter: no module to hook
+                model.quantforge_unsimulated += 1
     return model.eval()

@@ -49,10 +49,30 @@ def describe() -> str:
     return f"llama.cpp's convert_hf_to_gguf.py (as vendored in llama-cpp-python {runtime_version()})"
 
 
-def converter_dir(version: str | None = None) -> Path:
+def converter_dirs(version: str | None = None) -> list[Path]:
+    """Where the converter may be kept, most preferred first: beside the environment that holds llama-cpp-python
+    (it belongs to that installation, whatever cache a run points QUANTFORGE_CACHE at), else the user's cache."""
     from .source import cache_root
 
-    return cache_root() / "llama.cpp-convert" / (version or runtime_version())
+    version = version or runtime_version()
+    return [
+        Path(sys.prefix) / "share" / "quantforge" / "llama.cpp-convert" / version,
+        cache_root() / "llama.cpp-convert" / version,
+    ]
+
+
+def converter_dir(version: str | None = None) -> Path:
+    """The folder holding the converter, or (when none does yet) where it would be installed."""
+    folders = converter_dirs(version)
+    found = [folder for folder in folders if (folder / "convert_hf_to_gguf.py").exists()]
+    if found:
+        return found[0]
+    return next((folder for folder in folders if _writable(folder)), folders[-1])
+
+
+def _writable(folder: Path) -> bool:
+    existing = next(parent for parent in (folder, *folder.parents) if parent.exists())
+    return os.access(existing, os.W_OK)
 
 
 def _download_sdist(version: str, into: Path) -> Path:
@@ -107,7 +127,8 @@ def find_converter() -> Path:
     folder = converter_dir()
     if not (folder / "convert_hf_to_gguf.py").exists():
         raise QuantforgeError(
-            f"llama.cpp's GGUF converter for llama-cpp-python {runtime_version()} is not in {folder.parent}; "
+            f"llama.cpp's GGUF converter for llama-cpp-python {runtime_version()} is not installed "
+            f"(looked in {' and '.join(str(f) for f in converter_dirs())}); "
             "run 'quantforge setup' (./scripts/install.sh does) once where the package index can be reached"
         )
     return folder
@@ -148,22 +169,24 @@ def convert_hf_to_gguf(
     """Write ``out_path`` (a .gguf) from the HF folder with llama.cpp's converter; return facts about it."""
     if outtype not in OUT_TYPES:
         raise QuantforgeError(f"unknown GGUF output type {outtype!r}; choose one of {', '.join(OUT_TYPES)}")
+    import tempfile
+
     converter = find_converter()
-    command = [
-        sys.executable,
-        str(converter / "convert_hf_to_gguf.py"),
-        str(folder),
-        "--outtype",
-        outtype,
-        "--outfile",
-        str(out_path),
-    ]
-    if name:
+    name = name or folder.name
+    # The converter derives metadata (general.basename, size label) from the folder's *name*: it converts a view
+    # of the folder named after the model, so a Hub snapshot and a local copy give the same bytes.
+    with tempfile.TemporaryDirectory(prefix="quantforge-convert-") as scratch:
+        view = Path(scratch) / name
+        view.mkdir()
+        for file in folder.iterdir():
+            (view / file.name).symlink_to(file.resolve())
+        script = str(converter / "convert_hf_to_gguf.py")
+        command = [sys.executable, script, str(view), "--outtype", outtype, "--outfile", str(out_path)]
         command += ["--model-name", name]
-    # Its own gguf-py comes first (the script puts it there itself unless NO_LOCAL_GGUF is set).
-    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(converter / "gguf-py"), env.get("PYTHONPATH")]))
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
+        # Its own gguf-py comes first (the script puts it there itself unless NO_LOCAL_GGUF is set).
+        env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(converter / "gguf-py"), env.get("PYTHONPATH")]))
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "a") as log:

@@ -356,6 +356,21 @@ class Build:
                 "choose another --out, or pass --force to replace it"
             )
 
+    def check_config_readable(self) -> None:
+        """transformers must understand the model's config (the reference runs in it): say so now, in one line."""
+        from transformers import AutoConfig
+
+        from .backends import library_version
+
+        try:
+            AutoConfig.from_pretrained(self.source.path, trust_remote_code=self.plan.request.trust_remote_code)
+        except Exception as exc:  # noqa: BLE001 - transformers raises ValueError, KeyError, OSError ... here
+            from .failures import last_line
+
+            raise QuantforgeError(
+                f"{library_version('transformers')} cannot read {self.source.path / 'config.json'}: {last_line(exc)}"
+            ) from None
+
     def check_backends(self) -> None:
         problems = []
         for choice in self.plan.choices:
@@ -716,6 +731,7 @@ class Build:
                 self.ui.log(f"removed {len(removed)} half-written file(s) left by an interrupted run: {names}")
             self.manifest = Manifest.open(self.run_dir)
             self.source = self.fetch()
+            self.check_config_readable()
             self.check_backends()
             self.check_same_model()
             self.failures = self.unsupported_formats()

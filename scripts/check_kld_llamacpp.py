@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Cross-check quantforge's KL divergence and top-1 agreement against llama.cpp's `llama-perplexity --kl-divergence`.
+"""Cross-check quantforge's perplexity, KL divergence and top-1 agreement against llama.cpp's
+`llama-perplexity --kl-divergence`.
 
 Both sides use the same GGUF files (an F16 base and a quantized file), the same text file, the same context and
 the same convention as llama-perplexity: the text tokenized by llama.cpp, chunks of n_ctx tokens, only the second
@@ -45,7 +46,7 @@ def ours(base: Path, quant: Path, text: str, n_ctx: int, chunks: int, threads: i
     runners = {
         name: LlamaCppRunner(path, context=n_ctx, threads=threads) for name, path in (("base", base), ("quant", quant))
     }
-    kld, agree = [], []
+    kld, agree, nll_base, nll_quant = [], [], [], []
     for index in range(chunks):
         window = tokens[index * n_ctx : (index + 1) * n_ctx].copy()
         if add_bos:
@@ -56,9 +57,17 @@ def ours(base: Path, quant: Path, text: str, n_ctx: int, chunks: int, threads: i
         compared = compare_window(quant_logits, window[first:], reference)
         kld.append(compared["kld"])
         agree.append(compared["agree"])
+        nll_base.append(reference.nll)
+        nll_quant.append(compared["nll"])
     for runner in runners.values():
         runner.close()
-    return {"kld": float(np.concatenate(kld).mean()), "top1": float(np.concatenate(agree).mean()), "chunks": chunks}
+    return {
+        "kld": float(np.concatenate(kld).mean()),
+        "top1": float(np.concatenate(agree).mean()),
+        "ppl_base": float(np.exp(np.concatenate(nll_base).mean())),
+        "ppl_quant": float(np.exp(np.concatenate(nll_quant).mean())),
+        "chunks": chunks,
+    }
 
 
 def theirs(base: Path, quant: Path, text_file: Path, n_ctx: int, chunks: int, threads: int, work: Path) -> dict:
@@ -79,7 +88,11 @@ def theirs(base: Path, quant: Path, text_file: Path, n_ctx: int, chunks: int, th
     output = done.stdout + done.stderr
     kld = float(re.search(r"Mean\s+KLD:\s+([0-9.]+)", output).group(1))
     top1 = float(re.search(r"Same top p:\s+([0-9.]+)", output).group(1)) / 100
-    return {"kld": kld, "top1": top1}
+    ppl = {
+        name: float(re.search(rf"Mean\s+PPL\({label}\)\s*:\s*([0-9.]+)", output).group(1))
+        for name, label in (("ppl_base", "base"), ("ppl_quant", "Q"))
+    }
+    return {"kld": kld, "top1": top1, **ppl}
 
 
 def main() -> int:
@@ -108,12 +121,18 @@ def main() -> int:
         text = args.text.read_text(encoding="utf-8")
         mine = ours(base, quant, text, args.ctx, args.chunks, args.threads)
         reference = theirs(base, quant, args.text, args.ctx, mine["chunks"], args.threads, work)
+    for name, label in (("ppl_base", "perplexity, base"), ("ppl_quant", "perplexity, quant")):
+        print(
+            f"{label}: quantforge {mine[name]:.4f}  llama.cpp {reference[name]:.4f}  "
+            f"ratio {mine[name] / reference[name]:.4f}"
+        )
     kld_ratio = mine["kld"] / reference["kld"]
     top1_ratio = mine["top1"] / reference["top1"]
     print(f"{mine['chunks']} chunks of {args.ctx} tokens, second half of each scored")
     print(f"mean KLD:      quantforge {mine['kld']:.6f}  llama.cpp {reference['kld']:.6f}  ratio {kld_ratio:.4f}")
     print(f"top-1 agreement: quantforge {mine['top1']:.4f}  llama.cpp {reference['top1']:.4f}  ratio {top1_ratio:.4f}")
-    ok = abs(kld_ratio - 1) <= TOLERANCE and abs(top1_ratio - 1) <= TOLERANCE
+    ppl_ratios = [mine[name] / reference[name] for name in ("ppl_base", "ppl_quant")]
+    ok = all(abs(r - 1) <= TOLERANCE for r in (kld_ratio, top1_ratio, *ppl_ratios))
     print("WITHIN 5%" if ok else "OUTSIDE 5%")
     return 0 if ok else 1
 

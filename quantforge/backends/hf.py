@@ -104,6 +104,9 @@ class HFFolderBackend(Backend):
         from ..dequant import float_model_from_artifact
         from ..runners import TorchRunner
 
-        runner = TorchRunner(float_model_from_artifact(artifact_dir), threads)
+        model = float_model_from_artifact(artifact_dir)
+        runner = TorchRunner(model, threads)
         runner.runtime = "transformers (dequantized in torch)"
+        if model.quantforge_unsimulated:
+            runner.runtime += f"; activation int8 not simulated in {model.quantforge_unsimulated} expert projections"
         return runner
