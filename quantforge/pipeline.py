@@ -365,10 +365,10 @@ class Build:
         try:
             AutoConfig.from_pretrained(self.source.path, trust_remote_code=self.plan.request.trust_remote_code)
         except Exception as exc:  # noqa: BLE001 - transformers raises ValueError, KeyError, OSError ... here
-            from .failures import last_line
-
+            # Its first sentence names the problem (an unknown model type, say); the rest is upgrade advice.
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0][:300]
             raise QuantforgeError(
-                f"{library_version('transformers')} cannot read {self.source.path / 'config.json'}: {last_line(exc)}"
+                f"{library_version('transformers')} cannot read {self.source.path / 'config.json'}: {first}"
             ) from None
 
     def check_backends(self) -> None:
