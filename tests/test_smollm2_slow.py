@@ -94,7 +94,8 @@ def test_second_real_model_qwen2_at_half_a_billion_parameters(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     card = read_json(run / "card.json")
     assert card["model"]["config"]["architecture"] == "Qwen2ForCausalLM"
-    assert 400e6 < card["model"]["parameters"] < 600e6
+    # 494M, plus the 136M of the output matrix the GGUF stores apart from the embedding
+    assert 450e6 < card["model"]["parameters"] < 700e6
     assert card["evaluation"]["bos_token_id"] is None
     reference = card["reference"]["perplexity"]
     [q8] = card["formats"]
