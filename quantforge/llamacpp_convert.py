@@ -199,14 +199,3 @@ def convert_hf_to_gguf(
             f"llama.cpp's GGUF converter (llama-cpp-python {runtime_version()}) failed: {last}{where}"
         )
     return {"converter": describe(), "outtype": outtype}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m quantforge.llamacpp_convert [SDIST]``: install the converter into the cache."""
-    args = sys.argv[1:] if argv is None else argv
-    print(install_converter(Path(args[0]) if args else None))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
