@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -13,7 +12,7 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .errors import EXIT_FORMATS_FAILED, EXIT_INTERRUPTED, QuantforgeError
+from .errors import DISK_ADVICE, DISK_ERRORS, EXIT_FORMATS_FAILED, EXIT_INTERRUPTED, QuantforgeError
 
 
 def _split(value: str | None) -> list[str] | None:
@@ -73,20 +72,6 @@ def target_options(function):
 def target_overrides(**values) -> dict:
     values["min_task_recovery"] = _task_recovery(values.get("min_task_recovery"))
     return {key: value for key, value in values.items() if value is not None}
-
-
-DISK_ERRORS = {
-    errno.ENOSPC: "no space left on device",
-    errno.EDQUOT: "disk quota exceeded",
-    errno.EROFS: "read-only file system",
-    errno.EACCES: "permission denied",
-}
-DISK_ADVICE = {
-    errno.ENOSPC: "free space or choose another --out",
-    errno.EDQUOT: "free space or choose another --out",
-    errno.EROFS: "choose a writable --out",
-    errno.EACCES: "choose a writable --out",
-}
 
 
 class QuantforgeGroup(click.Group):

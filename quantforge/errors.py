@@ -5,9 +5,27 @@ refused before or without touching what was already produced; 3 some formats fai
 others were finished, the card lists each failure, and the same command retries only what failed); 130 interrupted.
 """
 
+import errno
+
 EXIT_BAD_INPUT = 2
 EXIT_FORMATS_FAILED = 3
 EXIT_INTERRUPTED = 130
+
+
+# Errors of the machine, not of the input or of a format: the CLI names them in one line, and they stop a build
+# even inside a format's stage (see failures.is_environment_error).
+DISK_ERRORS = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+}
+DISK_ADVICE = {
+    errno.ENOSPC: "free space or choose another --out",
+    errno.EDQUOT: "free space or choose another --out",
+    errno.EROFS: "choose a writable --out",
+    errno.EACCES: "choose a writable --out",
+}
 
 
 class QuantforgeError(Exception):

@@ -6,18 +6,14 @@ runs the failed stages again while every finished one is kept.
 
 from __future__ import annotations
 
-import errno
 import traceback
 from pathlib import Path
 
-from .errors import QuantforgeError
-
-# Errors of the machine, not of the format: they stop the build (the CLI names them in one line).
-ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES}
+from .errors import DISK_ERRORS, QuantforgeError
 
 
 def is_environment_error(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and exc.errno in ENVIRONMENT_ERRNOS or isinstance(exc, MemoryError)
+    return isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno in DISK_ERRORS)
 
 
 def last_line(exc: BaseException) -> str:

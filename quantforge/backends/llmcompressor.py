@@ -30,13 +30,12 @@ SMOOTHING_STRENGTH = 0.8  # llm-compressor's W8A8 examples
 # Gemma 3 +754% with it. Why: Gemma's RMSNorm multiplies by (1 + weight), so dividing the weight by the smoothing
 # scales is not dividing the output by them; and in Gemma 2/3 and OLMo 2 "post_attention_layernorm" normalizes the
 # attention *output* before the residual add (the MLP is fed by pre_feedforward_layernorm, or by no norm in OLMo 2).
+_GEMMA = "Gemma's RMSNorm scales by 1 + weight, and post_attention_layernorm normalizes the attention output"
+_POST_NORM = "it normalizes after attention and MLP, so no norm feeds the projections SmoothQuant would scale"
 NO_SMOOTHQUANT = {
     "gemma": "Gemma's RMSNorm scales by 1 + weight, which SmoothQuant cannot fold its scales into",
-    "gemma2": "Gemma's RMSNorm scales by 1 + weight, and post_attention_layernorm normalizes the attention output",
-    "gemma3": "Gemma's RMSNorm scales by 1 + weight, and post_attention_layernorm normalizes the attention output",
-    "gemma3_text": "Gemma's RMSNorm scales by 1 + weight, and post_attention_layernorm normalizes the attention output",
-    "olmo2": "OLMo 2 normalizes after attention and MLP, so no norm feeds the projections SmoothQuant would scale",
-    "olmo3": "OLMo 3 normalizes after attention and MLP, so no norm feeds the projections SmoothQuant would scale",
+    **dict.fromkeys(("gemma2", "gemma3", "gemma3_text"), _GEMMA),
+    **dict.fromkeys(("olmo2", "olmo3"), _POST_NORM),
 }
 
 
