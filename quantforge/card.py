@@ -437,7 +437,9 @@ def render_markdown(card: dict) -> str:
         "an unbiased estimate over the rest from 64 tokens drawn from it (fixed seed).",
         "- Every artifact was loaded from disk: GGUF files in llama.cpp (flash attention off, "
         "OMP_WAIT_POLICY=PASSIVE), HF-folder formats (GPTQ, AWQ, INT8) dequantized in torch with their runtime "
-        "activation quantization simulated; the reference is the float model in transformers.",
+        "activation quantization simulated; the reference is the float model in transformers. Torch arithmetic is "
+        "float32 throughout, over weights kept as stored (bf16, or packed) and widened one module at a time: the "
+        "same logits as a float32 copy, bit for bit.",
         "- Bits per weight: tensor bytes in the artifact x 8 / parameters of the unquantized model.",
         f"- Targets: {', '.join(f'{k}={v}' for k, v in targets.items())}.",
     ]

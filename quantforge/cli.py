@@ -157,6 +157,17 @@ def main() -> None:
 )
 @click.option("--allow-pickle", is_flag=True, help="Allow pickle (.bin) weights, which can run code when loaded.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model repo's own Python code to run.")
+@click.option(
+    "--device",
+    default="auto",
+    show_default=True,
+    help="Where torch work runs (reference, dequantized evaluation, torch quantizers): auto, cpu, cuda, cuda:N.",
+)
+@click.option(
+    "--plan-only",
+    is_flag=True,
+    help="Print each stage's predicted memory, disk and time on this host, and stop (no weights downloaded).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the card as JSON on stdout.")
 def build(
     model,
@@ -183,6 +194,8 @@ def build(
     layer_resume,
     allow_pickle,
     trust_remote_code,
+    device,
+    plan_only,
     as_json,
     **targets,
 ):
@@ -217,12 +230,58 @@ def build(
         layer_resume=layer_resume,
         allow_pickle=allow_pickle,
         trust_remote_code=trust_remote_code,
+        device=device,
         command="quantforge " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
     )
+    if plan_only:
+        _print_resource_plan(request, as_json)
+        return
     ui = UI()
     card = run_build(request, ui)
     _print_card(card, as_json, ui)
     _exit_if_failed(card)
+
+
+def _print_resource_plan(request, as_json: bool) -> None:
+    """--plan-only: the table (or JSON), then exit 0 when the host can hold it, 2 with the refusal when not."""
+    from .pipeline import resource_plan_only
+
+    plan = resource_plan_only(request)
+    if as_json:
+        click.echo(json.dumps(plan, indent=2))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        model, total, host = plan["model"], plan["total"], plan["host"]
+        table = Table(title=f"{model['name']}: {model['parameters'] / 1e9:.2f}B parameters ({model['dtype']})")
+        table.add_column("stage", no_wrap=True)
+        for column in ("time", "peak RAM", "VRAM", "disk"):
+            table.add_column(column, justify="right", no_wrap=True)
+        table.add_column("note")
+        for stage in plan["stages"]:
+            vram = f"{stage['vram_bytes'] / 1e9:.2f} GB" if stage["vram_bytes"] else ""
+            disk = f"{stage['disk_bytes'] / 1e9:.2f} GB" if stage["disk_bytes"] else ""
+            table.add_row(
+                stage["key"],
+                f"{stage['seconds']:.0f} s",
+                f"{stage['peak_rss_bytes'] / 1e9:.2f} GB",
+                vram,
+                disk,
+                stage["note"],
+            )
+        Console().print(table)
+        available = host["memory_available"]
+        click.echo(
+            f"total: about {total['seconds'] / 60:.1f} min, peak {total['peak_rss_bytes'] / 1e9:.2f} GB RAM "
+            f"({total['peak_stage']}; {total['peak_beyond_libraries_over_bf16']:.2f}x the bf16 weights beyond the "
+            f"libraries), "
+            f"{total['disk_bytes'] / 1e9:.2f} GB disk; host: {host['gemm_gflops']:.0f} GFLOP/s float32, "
+            + (f"{available / 1e9:.1f} GB available" if available else "memory unknown")
+            + f", device {plan['device']}"
+        )
+    if not plan["fits"]:
+        raise QuantforgeError(plan["refusal"])
 
 
 def _exit_if_failed(card: dict) -> None:

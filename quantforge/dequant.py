@@ -16,6 +16,7 @@ quantized Linear's input, as vLLM's kernels do.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Callable
@@ -23,23 +24,24 @@ from typing import Callable
 import torch
 
 from .errors import QuantforgeError
+from .lean import SMALL_PARAMETER, WeightSource, attach_sources, keep_stored
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
-def _shifts(bits: int) -> torch.Tensor:
-    return torch.arange(0, 32, bits, dtype=torch.int32)
+def _shifts(bits: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(0, 32, bits, dtype=torch.int32, device=device)
 
 
 def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """[R, C] int32 -> [R * 32/bits, C]: values packed along the first dimension, lowest bits first."""
-    values = (packed.unsqueeze(1) >> _shifts(bits)[None, :, None]) & ((1 << bits) - 1)
+    values = (packed.unsqueeze(1) >> _shifts(bits, packed.device)[None, :, None]) & ((1 << bits) - 1)
     return values.reshape(-1, packed.shape[1])
 
 
 def unpack_cols(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """[R, C] int32 -> [R, C * 32/bits]: values packed along the second dimension, lowest bits first."""
-    values = (packed.unsqueeze(2) >> _shifts(bits)[None, None, :]) & ((1 << bits) - 1)
+    values = (packed.unsqueeze(2) >> _shifts(bits, packed.device)[None, None, :]) & ((1 << bits) - 1)
     return values.reshape(packed.shape[0], -1)
 
 
@@ -53,7 +55,8 @@ def dequantize_gptq(tensors: dict[str, torch.Tensor], prefix: str, config: dict)
         zeros = zeros + 1  # classic GPTQ stores zero - 1
     in_features = weight.shape[0]
     g_idx = tensors.get(f"{prefix}.g_idx")
-    groups = g_idx.long() if g_idx is not None else torch.arange(in_features) // config["group_size"]
+    rows = torch.arange(in_features, device=qweight.device)
+    groups = g_idx.long() if g_idx is not None else rows // config["group_size"]
     return ((weight - zeros[groups]).float() * scales[groups]).T.contiguous()
 
 
@@ -70,7 +73,7 @@ def dequantize_awq(tensors: dict[str, torch.Tensor], prefix: str, config: dict) 
     weight = _awq_unpack(tensors[f"{prefix}.qweight"])
     zeros = _awq_unpack(tensors[f"{prefix}.qzeros"])
     scales = tensors[f"{prefix}.scales"].float()
-    groups = torch.arange(weight.shape[0]) // config["group_size"]
+    groups = torch.arange(weight.shape[0], device=weight.device) // config["group_size"]
     return ((weight - zeros[groups]).float() * scales[groups]).T.contiguous()
 
 
@@ -110,17 +113,18 @@ DEQUANTIZERS: dict[str, tuple[str, Callable]] = {
 }
 
 
-def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+def read_tensors(folder: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(file))
+        tensors.update(load_file(file, device=device))
     return tensors
 
 
-def dequantized_state_dict(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The artifact's config (without quantization_config) and a float state dict of every tensor."""
+def weight_sources(folder: Path, device: str = "cpu") -> tuple[dict, dict[str, WeightSource]]:
+    """The artifact's config (without quantization_config) and, per tensor name, what gives its float32 value:
+    quantized weights stay packed and are dequantized when called; other tensors stay in their stored dtype."""
     config = json.loads((folder / "config.json").read_text())
     quant = config.pop("quantization_config", None)
     if quant is None:
@@ -129,18 +133,28 @@ def dequantized_state_dict(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]
     if method not in DEQUANTIZERS:
         raise QuantforgeError(f"cannot dequantize quant_method '{method}' (known: {', '.join(DEQUANTIZERS)})")
     marker, dequantize = DEQUANTIZERS[method]
-    tensors = read_tensors(folder)
+    tensors = read_tensors(folder, device)
     prefixes = sorted({name[: -len(marker) - 1] for name in tensors if name.endswith("." + marker)})
-    state = {}
+    sources: dict[str, WeightSource] = {}
     for prefix in prefixes:
-        state[f"{prefix}.weight"] = dequantize(tensors, prefix, quant)
+        sources[f"{prefix}.weight"] = functools.partial(dequantize, tensors, prefix, quant)
     quantized = set(prefixes)
     for name, tensor in tensors.items():
         owner, _, leaf = name.rpartition(".")
         if owner in quantized and leaf != "bias":
             continue
-        state[name] = tensor.float() if tensor.is_floating_point() else tensor
-    return {**config, "_quantization_config": quant, "_quantized_modules": prefixes}, state
+        sources[name] = functools.partial(_as_float, tensor)
+    return {**config, "_quantization_config": quant, "_quantized_modules": prefixes}, sources
+
+
+def _as_float(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.float() if tensor.is_floating_point() else tensor
+
+
+def dequantized_state_dict(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The artifact's config (without quantization_config) and a float32 state dict of every tensor."""
+    config, sources = weight_sources(folder)
+    return config, {name: make() for name, make in sources.items()}
 
 
 def quantize_activations_per_token(module: torch.nn.Module, args):
@@ -164,53 +178,94 @@ EXPERT_PARTS = {
 }
 
 
-def _fuse_experts(state: dict[str, torch.Tensor], name: str) -> bool:
+def _stack_experts(per_expert: list[list[WeightSource]]) -> torch.Tensor:
+    return torch.stack([torch.cat([make() for make in parts], dim=0) for parts in per_expert])
+
+
+def _concatenate(parts: list[WeightSource]) -> torch.Tensor:
+    return torch.cat([make() for make in parts], dim=0)
+
+
+def _fuse_experts(sources: dict[str, WeightSource], name: str) -> bool:
     experts, _, fused = name.rpartition(".")
     for parts in EXPERT_PARTS.get(fused, ()):
         count = 0
-        while all(f"{experts}.{count}.{part}.weight" in state for part in parts):
+        while all(f"{experts}.{count}.{part}.weight" in sources for part in parts):
             count += 1
         if count:
-            per_expert = [
-                torch.cat([state.pop(f"{experts}.{i}.{part}.weight") for part in parts], dim=0) for i in range(count)
-            ]
-            state[name] = torch.stack(per_expert)
+            per_expert = [[sources.pop(f"{experts}.{i}.{part}.weight") for part in parts] for i in range(count)]
+            sources[name] = functools.partial(_stack_experts, per_expert)
             return True
     return False
 
 
-def fuse_split_projections(state: dict[str, torch.Tensor], expected: set[str]) -> None:
+def fuse_split_projections(sources: dict[str, WeightSource], expected: set[str]) -> None:
     """Concatenate saved parts (in the model's own output order) into the fused weight the architecture expects."""
-    for name in sorted(expected - set(state)):
-        if _fuse_experts(state, name):
+    for name in sorted(expected - set(sources)):
+        if _fuse_experts(sources, name):
             continue
         owner, _, leaf = name.rpartition(".")
         module, _, fused = owner.rpartition(".")
         parts = [f"{module}.{part}.{leaf}" for part in FUSED_PARTS.get(fused, ())]
-        if parts and all(part in state for part in parts):
-            state[name] = torch.cat([state.pop(part) for part in parts], dim=0)
+        if parts and all(part in sources for part in parts):
+            sources[name] = functools.partial(_concatenate, [sources.pop(part) for part in parts])
 
 
-def float_model_from_artifact(folder: Path, *, trust_remote_code: bool = False) -> torch.nn.Module:
-    """A float32 model holding the dequantized weights of a quantized HF folder (activations simulated too)."""
+def _tie_sources(model: torch.nn.Module, sources: dict[str, WeightSource]) -> None:
+    """A tied output embedding reads the input embedding's weight (checkpoints store it once)."""
+    names = {module: name for name, module in model.named_modules()}
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if inputs is None or outputs is None:
+        return
+    source = sources.get(f"{names[inputs]}.weight")
+    if source is not None:
+        sources.setdefault(f"{names[outputs]}.weight", source)
+
+
+def _place(model: torch.nn.Module, name: str, make: WeightSource) -> None:
+    """Large weights stay packed (or stored) until their module runs; small ones are made float32 now."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    if leaf in owner._buffers:
+        owner._buffers[leaf] = make()
+        return
+    resting = owner._parameters[leaf]
+    stored = make.args[0] if isinstance(make, functools.partial) and make.func is _as_float else None
+    if resting.numel() < SMALL_PARAMETER or (stored is not None and stored.dtype == torch.float32):
+        owner._parameters[leaf] = torch.nn.Parameter(make(), requires_grad=False)
+    elif stored is not None:
+        keep_stored(owner, leaf, stored)  # an unquantized bf16/fp16 tensor: embeddings, the LM head
+    else:
+        attach_sources(owner, {leaf: make})
+
+
+def float_model_from_artifact(folder: Path, *, device: str = "cpu", trust_remote_code: bool = False) -> torch.nn.Module:
+    """A model computing in float32 with the dequantized weights of a quantized HF folder (activations simulated
+    too). Its large weights stay packed and are dequantized when their module runs (see ``lean``), so memory holds
+    the artifact's size plus one module's float32 weights, and the logits equal a fully dequantized model's."""
+    from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config_dict, state = dequantized_state_dict(folder)
+    from .lean import float32_buffers
+
+    config_dict, sources = weight_sources(folder, device)
     quant = config_dict.pop("_quantization_config")
     quantized = config_dict.pop("_quantized_modules")
     config = AutoConfig.for_model(**{k: v for k, v in config_dict.items() if not k.startswith("_")})
-    from transformers.initialization import no_init_weights
-
-    with no_init_weights():  # every weight is overwritten below: skip the random initialisation
+    with init_empty_weights(include_buffers=False):  # parameters on meta: each is placed below
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
-    fuse_split_projections(state, set(model.state_dict()))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    float32_buffers(model, config, device)
+    expected = set(model.state_dict())
+    fuse_split_projections(sources, expected)
+    if config.tie_word_embeddings:
+        _tie_sources(model, sources)
+    missing, unexpected = sorted(expected - set(sources)), sorted(set(sources) - expected)
     if missing or unexpected:
         raise QuantforgeError(
             f"{folder} does not match its architecture: missing {missing[:3]}, unexpected {unexpected[:3]}"
         )
-    model.tie_weights()
+    for name, make in sources.items():
+        _place(model, name, make)
     activations = _activation_scheme(quant) if quant.get("quant_method") == "compressed-tensors" else None
     model.quantforge_unsimulated = 0  # quantized Linears whose runtime activation quantization is not simulated
     if activations and activations.get("dynamic") and activations.get("num_bits") == 8:

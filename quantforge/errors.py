@@ -5,7 +5,10 @@ refused before or without touching what was already produced; 3 some formats fai
 others were finished, the card lists each failure, and the same command retries only what failed); 130 interrupted.
 """
 
+import contextlib
 import errno
+import signal
+import threading
 
 EXIT_BAD_INPUT = 2
 EXIT_FORMATS_FAILED = 3
@@ -46,3 +49,30 @@ class StageFailed(QuantforgeError):
     def __init__(self, message: str, record: dict | None = None):
         super().__init__(message)
         self.record = record or {}
+
+
+@contextlib.contextmanager
+def interrupts_kept():
+    """Ctrl-C inside a library call stops the build even when the library swallows it.
+
+    GPTQModel 7.6 catches BaseException around torch.compile and in its worker threads, so a KeyboardInterrupt
+    raised there was dropped and the quantization ran on to a finished artifact (exit 0). While this block runs,
+    SIGINT is noted as well as raised, and the note is raised again as KeyboardInterrupt when the call returns.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers belong to the main thread (a Ray worker's task runs elsewhere)
+        return
+    noted: list[int] = []
+    previous = signal.getsignal(signal.SIGINT)
+
+    def note_and_raise(signum, frame):
+        noted.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, note_and_raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if noted:
+        raise KeyboardInterrupt

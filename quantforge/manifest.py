@@ -20,6 +20,7 @@ from typing import Callable
 from . import __version__
 from .errors import QuantforgeError
 from .fsutil import atomic_write_json, file_records, find_partials, remove_path, sha256_json
+from .memory import StagePeak
 
 MANIFEST_NAME = "run.json"
 LOCK_NAME = ".quantforge.lock"
@@ -127,7 +128,8 @@ def run_stage(
         return StageResult(key, record.get("result", {}), record.get("outputs", {}), True, record.get("seconds", 0.0))
     started = _now()
     t0 = time.perf_counter()
-    result = produce() or {}
+    with StagePeak() as memory:
+        result = produce() or {}
     seconds = round(time.perf_counter() - t0, 3)
     missing = [str(p) for p in outputs if not p.exists()]
     if missing:
@@ -141,6 +143,7 @@ def run_stage(
         "result": result,
         "started": started,
         "seconds": seconds,
+        "memory": memory.to_json(),
         "host": host_facts(),
     }
     manifest.save()

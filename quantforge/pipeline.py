@@ -21,7 +21,7 @@ from .backends import Choice, QuantizeJob, load_backends, resolve_formats
 from .calibration import CalibrationSettings
 from .card import write_card
 from .decide import Targets
-from .errors import QuantforgeError, StageFailed
+from .errors import QuantforgeError, StageFailed, interrupts_kept
 from .evaluate import EvalSettings, load_reference, make_windows, save_reference, score_artifact, score_reference
 from .fsutil import atomic_output, atomic_write_json, remove_path
 from .logs import capture_output, follow_progress
@@ -62,6 +62,8 @@ class BuildRequest:
     layer_resume: bool | None = None
     allow_pickle: bool = False
     trust_remote_code: bool = False
+    device: str | None = None  # auto, cpu, cuda, cuda:N (see device.py)
+    plan_only: bool = False
     command: str = "quantforge build"
 
 
@@ -81,6 +83,7 @@ class Plan:
     run_dir: Path
     threads: int
     request: BuildRequest
+    device: str = "cpu"  # where torch work runs, resolved from --device
 
     @property
     def needs_calibration(self) -> bool:
@@ -113,6 +116,7 @@ class Plan:
             "quantize": self.quantize,
             "targets": self.targets.to_json(),
             "threads": self.threads,
+            "device": self.device,
             "trust_remote_code": self.request.trust_remote_code,
             "allow_pickle": self.request.allow_pickle,
         }
@@ -193,8 +197,23 @@ def make_plan(request: BuildRequest) -> Plan:
         }
         if speed["prompt_tokens"] < 1 or speed["gen_tokens"] < 2:
             raise QuantforgeError("--prompt-tokens must be at least 1 and --gen-tokens at least 2")
+    from .device import resolve_device
+
+    device = resolve_device(request.device)
     return Plan(
-        spec, recipe, choices, eval_settings, tasks, speed, calibration, quantize, targets, run_dir, threads, request
+        spec,
+        recipe,
+        choices,
+        eval_settings,
+        tasks,
+        speed,
+        calibration,
+        quantize,
+        targets,
+        run_dir,
+        threads,
+        request,
+        device,
     )
 
 
@@ -273,7 +292,10 @@ class Build:
         from .runners import TorchRunner
 
         return TorchRunner.from_folder(
-            self.source.path, threads=self.plan.threads, trust_remote_code=self.plan.request.trust_remote_code
+            self.source.path,
+            threads=self.plan.threads,
+            device=self.plan.device,
+            trust_remote_code=self.plan.request.trust_remote_code,
         )
 
     def progress_path(self, key: str, inputs: dict) -> Path:
@@ -333,18 +355,34 @@ class Build:
             "fetch", None, inputs={"spec": self.plan.spec.__dict__}, settings={}, outputs=[source_json], produce=produce
         )
 
-    def check_resources(self, parameters: int) -> None:
-        from .resources import check_resources
+    def precheck_hub_download(self) -> None:
+        """Before downloading a Hub model: refuse, with the numbers, one this host cannot build, when its size can
+        be had without the weights (a recipe's size: block, or the Hub's safetensors metadata)."""
+        from .resources import ModelSize, check_plan, make_resource_plan, measure_host
+        from .source import model_size_without_weights
 
-        pending = [c for c in self.plan.choices if not self.manifest.stage(f"quantize/{c.key}")]
-        self.resources = check_resources(
-            self.run_dir,
-            parameters,
-            [c.format.nominal_bits for c in pending],
-            needs_f16_gguf=any(c.backend.name == "llamacpp" for c in pending)
-            and not self.manifest.stage("intermediate/gguf-f16"),
-            needs_reference_model=not self.manifest.stage("reference"),
+        if self.plan.spec.kind != "hub":
+            return
+        try:
+            facts = model_size_without_weights(self.plan.spec, self.plan.recipe)
+        except QuantforgeError:
+            return  # no size before the download: the check after it still runs before any work
+        resource_plan = make_resource_plan(
+            ModelSize.from_facts(facts), plan_inputs(self.plan), measure_host(1, self.plan.device)
         )
+        check_plan(resource_plan, self.run_dir, done=set(self.manifest.stages))
+
+    def plan_resources(self) -> None:
+        """Predict every stage's memory, disk and time on this host; refuse now, with the numbers, what cannot fit;
+        keep the prediction in the manifest beside each stage's measured peak and seconds."""
+        from .resources import ModelSize, check_plan, make_resource_plan, measure_host
+
+        facts = {**self.source.config, "parameters": self.parameters}
+        resource_plan = make_resource_plan(
+            ModelSize.from_facts(facts), plan_inputs(self.plan), measure_host(self.plan.threads, self.plan.device)
+        )
+        check_plan(resource_plan, self.run_dir, done=set(self.manifest.stages))
+        self.resource_plan = resource_plan
 
     def check_same_model(self) -> None:
         """Refuse to mix two models' stages in one run directory."""
@@ -522,23 +560,34 @@ class Build:
                 produce=produce,
             )
 
-    def intermediate(self, name: str, build, suffix: str = "") -> Path:
-        """A file shared by several formats of the run (the F16 GGUF, say), built once and recorded."""
-        path = self.run_dir / "work" / f"{self.source.name}-{name}{suffix}"
+    def intermediate_path(self, name: str, suffix: str) -> Path:
+        return self.run_dir / "work" / f"{self.source.name}-{name}{suffix}"
 
-        def produce():
-            with self.ui.task(f"build {name}"), atomic_output(path) as tmp:
-                return build(tmp) or {}
+    def intermediates(self, choice: Choice) -> None:
+        """Files the format's backend shares between formats (the F16 GGUF), each made once and recorded, before
+        the format's own quantize stage (whose time and memory then are its own)."""
+        log_dir = self.run_dir / "logs"
+        for name, (suffix, make) in choice.backend.intermediates(choice.format).items():
+            path = self.intermediate_path(name, suffix)
 
-        self.stage(
-            f"intermediate/{name}",
-            None,
-            inputs={"source": self.digest("fetch")},
-            settings={},
-            outputs=[path],
-            produce=produce,
-        )
-        return path
+            def produce(path=path, make=make, name=name):
+                with self.ui.task(f"build {name}"), atomic_output(path) as tmp:
+                    return make(self.source, tmp, log_dir) or {}
+
+            self.stage(
+                f"intermediate/{name}",
+                None,
+                inputs={"source": self.digest("fetch")},
+                settings={},
+                outputs=[path],
+                produce=produce,
+            )
+
+    def recorded_intermediate(self, name: str) -> Path:
+        record = self.manifest.stage(f"intermediate/{name}")
+        if not record:
+            raise QuantforgeError(f"intermediate {name} was not made before the quantize stage that needs it")
+        return self.run_dir / next(iter(record["outputs"]))
 
     def quantize(self, choice: Choice, parameters: int, calibration: Path | None) -> Path:
         from .artifacts import measure
@@ -559,10 +608,11 @@ class Build:
                     choice.format,
                     self.plan.quantize,
                     tmp,
-                    self.intermediate,
+                    self.recorded_intermediate,
                     log_dir,
                     calibration=calibration if uses_calibration else None,
                     threads=self.plan.threads,
+                    device=self.plan.device,
                     log=self.ui.log,
                     checkpoint_dir=checkpoint_dir,
                 )
@@ -570,7 +620,8 @@ class Build:
                     capture_output(log),
                     follow_progress(log, choice.backend.progress_pattern, lambda done, total: advance(done, total + 1)),
                 ):
-                    facts = choice.backend.quantize(job)
+                    with interrupts_kept():
+                        facts = choice.backend.quantize(job)
             remove_path(checkpoint_dir)  # only a finished artifact makes the layer checkpoints obsolete
             return {**facts, **measure(choice.backend.artifact_file(artifact_dir), parameters)}
 
@@ -594,7 +645,9 @@ class Build:
 
         def open_runner():
             with capture_output(self.run_dir / "logs" / f"evaluate-{choice.key}.log"):
-                return choice.backend.open_runner(artifact_dir, context=context, threads=self.plan.threads)
+                return choice.backend.open_runner(
+                    artifact_dir, context=context, threads=self.plan.threads, device=self.plan.device
+                )
 
         inputs = {
             "artifact": self.digest(f"quantize/{choice.key}"),
@@ -606,8 +659,9 @@ class Build:
             def produce():
                 refs = load_reference(reference_path)
                 with self.ui.task(f"evaluate {choice.key} ({runner.get().runtime})", total=len(windows)) as advance:
+                    loaded = runner.get()
                     summary = score_artifact(
-                        runner.get().logits,
+                        getattr(loaded, "logits_view", loaded.logits),  # each window is scored before the next
                         windows,
                         refs,
                         advance,
@@ -730,16 +784,18 @@ class Build:
                 names = ", ".join(str(p.relative_to(self.run_dir)) for p in removed[:3])
                 self.ui.log(f"removed {len(removed)} half-written file(s) left by an interrupted run: {names}")
             self.manifest = Manifest.open(self.run_dir)
+            self.precheck_hub_download()
             self.source = self.fetch()
             self.check_config_readable()
             self.check_backends()
             self.check_same_model()
             self.failures = self.unsupported_formats()
             self.parameters = self.source.config.get("parameters") or 0
-            self.check_resources(self.parameters)
+            self.plan_resources()
             # Only now, with the input checked, does this build touch the run's manifest.
             self.manifest.data["plan"] = {**self.plan.to_json(), "parameters": self.parameters}
             self.manifest.data["quantforge_version"] = __version__
+            self.manifest.data["resource_plan"] = self.resource_plan
             self.record_fetch()
             yield
             self.manifest.save()
@@ -762,6 +818,7 @@ class Build:
         self.refuse_unsupported(choice)
         calibration = self.calibration()
         with self.contained(choice, "quantize"):
+            self.intermediates(choice)
             self.quantize(choice, self.parameters, calibration)
 
     def measure(self, choice: Choice) -> None:
@@ -830,6 +887,42 @@ class Build:
                 finally:
                     self.record_failures()
         return self.card() if unit == "card" else {"unit": unit, "key": key}
+
+
+def plan_inputs(plan: Plan):
+    """What the resource plan (resources.PlanInputs) needs of a build plan."""
+    from .resources import GGUF_BITS, PlanInputs
+
+    formats = [(c.key, c.backend.name, GGUF_BITS.get(c.format.name, c.format.nominal_bits)) for c in plan.choices]
+    calibrates = plan.needs_calibration
+    return PlanInputs(
+        formats=formats,
+        context=plan.eval.context,
+        windows=plan.eval.windows,
+        calibration_tokens=plan.calibration.samples * plan.calibration.seqlen if calibrates else 0,
+        speed_tokens=(plan.speed["prompt_tokens"] + plan.speed["gen_tokens"]) * plan.speed["runs"] if plan.speed else 0,
+        task_count=len(plan.tasks["names"]),
+        device=plan.device,
+    )
+
+
+def resource_plan_only(request: BuildRequest) -> dict:
+    """``build --plan-only``: the resource plan without fetching weights (size from the recipe, the local folder,
+    or the Hub's metadata), checked against this host."""
+    from .resources import ModelSize, check_plan, make_resource_plan, measure_host
+    from .source import model_size_without_weights
+
+    plan = make_plan(request)
+    facts = model_size_without_weights(plan.spec, plan.recipe)
+    host = measure_host(plan.threads, plan.device)
+    resource_plan = make_resource_plan(ModelSize.from_facts(facts), plan_inputs(plan), host)
+    resource_plan["model"]["name"] = plan.spec.name
+    try:
+        check_plan(resource_plan, plan.run_dir)
+        resource_plan["fits"], resource_plan["refusal"] = True, None
+    except QuantforgeError as exc:
+        resource_plan["fits"], resource_plan["refusal"] = False, str(exc)
+    return resource_plan
 
 
 def build(request: BuildRequest, ui: UI | None = None) -> dict:

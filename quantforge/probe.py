@@ -161,7 +161,37 @@ def _first_linear(model):
     return layer.self_attn.q_proj
 
 
-PROBES = {"llama.cpp": probe_llama_cpp, "transformers": probe_transformers}
+def probe_vllm(path: Path, prompt: list[int], gen_tokens: int, threads: int, runs: int) -> dict:
+    """vLLM's own loading of the folder (it picks the Marlin/compressed-tensors kernels itself), greedy, one
+    sequence: time to first token from a one-token generation, decode speed from the rest of a full one."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=str(path), max_model_len=len(prompt) + gen_tokens + 8, enforce_eager=False, seed=0)
+    request = TokensPrompt(prompt_token_ids=prompt)
+
+    def generate(tokens: int) -> float:
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        started = time.perf_counter()
+        llm.generate([request], params, use_tqdm=False)
+        return time.perf_counter() - started
+
+    def once() -> dict:
+        first = generate(1)
+        total = generate(gen_tokens)
+        decode_seconds = max(total - first, 1e-9)
+        return {
+            "prompt_tps": len(prompt) / first,
+            "ttft_s": first,
+            "decode_tps": (gen_tokens - 1) / decode_seconds,
+            "tpot_s": decode_seconds / (gen_tokens - 1),
+        }
+
+    once()  # warm-up: CUDA graphs, kernel selection
+    return _median_report([once() for _ in range(runs)])
+
+
+PROBES = {"llama.cpp": probe_llama_cpp, "transformers": probe_transformers, "vllm": probe_vllm}
 
 
 def peak_rss_mb() -> float:

@@ -44,6 +44,16 @@ SCHEMA: dict = {
     },
     "quantize": {"group_size": (int, str), "act_order": bool, "layer_resume": bool},
     "calibration": {"dataset": str, "samples": int, "seqlen": int, "seed": int},
+    # The model's size, from its config.json, so `build --plan-only` can plan it before anything is downloaded.
+    "size": {
+        "parameters": int,
+        "hidden_size": int,
+        "intermediate_size": int,
+        "num_layers": int,
+        "vocab_size": int,
+        "tie_word_embeddings": bool,
+        "dtype": str,
+    },
 }
 
 
@@ -60,6 +70,7 @@ class Recipe:
     targets: dict = field(default_factory=dict)
     quantize: dict = field(default_factory=dict)
     calibration: dict = field(default_factory=dict)
+    size: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {
@@ -73,6 +84,7 @@ class Recipe:
             "targets": self.targets,
             "quantize": self.quantize,
             "calibration": self.calibration,
+            "size": self.size,
         }
 
 

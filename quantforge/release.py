@@ -128,6 +128,7 @@ def build_request(release: Release, model: ReleaseModel):
         calib_seqlen=calibration.get("seqlen"),
         group_size=quantize.get("group_size"),
         act_order=quantize.get("act_order"),
+        layer_resume=quantize.get("layer_resume"),
         targets=settings.get("targets", {}),
         trust_remote_code=settings.get("trust_remote_code", False),
         command=f"quantforge release {shlex.quote(str(release.path))}",
@@ -159,19 +160,35 @@ class Unit:
     done: bool = False
 
 
-def _estimate_memory(folder: str, kind: str) -> int | None:
-    """Bytes a unit may need, from the model's size on disk (None when not known before downloading)."""
-    path = Path(folder)
-    if not path.is_dir():
+UNIT_STAGES = {  # the stages a unit runs, as prefixes of their manifest keys ({key}: the unit's format)
+    "prepare": ("tokens", "reference", "tasks/reference/", "speed/reference", "host", "calibration"),
+    "quantize": ("intermediate/", "quantize/{key}"),
+    "evaluate": ("evaluate/{key}", "tasks/{key}/", "speed/{key}"),
+    "card": ("card",),
+}
+
+
+def _unit_memory(resource_plan: dict | None, kind: str, key: str | None) -> int | None:
+    """Peak bytes a unit may need: the largest predicted peak of its stages (None without a plan)."""
+    if not resource_plan:
         return None
-    from .artifacts import parameter_count
+    prefixes = tuple(prefix.format(key=key) for prefix in UNIT_STAGES[kind])
+    peaks = [s["peak_rss_bytes"] for s in resource_plan["stages"] if s["key"].startswith(prefixes)]
+    return max(peaks) if peaks else None
+
+
+def _resource_plan(plan) -> dict | None:
+    """The model's resource plan when its size is known without downloading it (see resources.py)."""
+    from .pipeline import plan_inputs
+    from .resources import HostSpeed, ModelSize, make_resource_plan
+    from .source import model_size_without_weights
 
     try:
-        parameters = parameter_count(path)
+        facts = model_size_without_weights(plan.spec, plan.recipe)
     except QuantforgeError:
         return None
-    per_weight = {"prepare": 4 * 1.3, "quantize": 2 * 2.0, "evaluate": 4 * 1.3, "card": 0}[kind]
-    return int(parameters * per_weight) or None
+    host = HostSpeed(gemm_gflops=1.0, memory_available=None, threads=plan.threads)  # memory only: no timing
+    return make_resource_plan(ModelSize.from_facts(facts), plan_inputs(plan), host)
 
 
 def plan_release(release: Release) -> tuple[list[Unit], dict]:
@@ -183,11 +200,12 @@ def plan_release(release: Release) -> tuple[list[Unit], dict]:
     for model in release.models:
         plan = make_plan(build_request(release, model))
         plans[model.name] = plan
+        resource_plan = _resource_plan(plan)
         stages = Manifest.open(plan.run_dir).stages if (plan.run_dir / "run.json").exists() else {}
-        gpus = 0  # no backend of ours needs a GPU; a third-party one could declare it here
+        gpus = 1 if plan.device.startswith("cuda") else 0  # --device cuda: each unit holds one GPU
 
-        def unit(kind, key=None, depends=(), done=False, model=model, gpus=gpus):
-            memory = _estimate_memory(model.model, kind)
+        def unit(kind, key=None, depends=(), done=False, model=model, gpus=gpus, resource_plan=resource_plan):
+            memory = _unit_memory(resource_plan, kind, key)
             resources = {"cpus": 1, "gpus": gpus, **({"memory_bytes": memory} if memory else {})}
             return Unit(
                 f"{model.name}/{kind}" + (f"/{key}" if key else ""),

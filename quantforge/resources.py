@@ -1,21 +1,124 @@
-"""Disk and memory checked before any long work, so a build is refused with the numbers instead of failing hours in."""
+"""A resource plan before any work: each stage's peak memory, disk and time, predicted from the model's size, the
+formats asked for and this host's measured speed; and a refusal with the numbers when the host cannot do it.
+
+Memory is predicted from what each stage holds (see ``lean``: a checkpoint in its stored dtype plus one module
+widened, the logits of one window, llama.cpp's mapped file), plus the libraries' own footprint. Time is predicted
+as work (multiply-adds, bytes) over this host's measured float32 matrix-multiply rate (or disk/memory rate), times a
+per-stage factor fitted on this project's test host by ``scripts/bench_scale.py`` (see docs/design.md), so a faster
+host gets shorter predictions. Every stage's actual peak and seconds go into the manifest beside the prediction.
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import QuantforgeError
 
 DISK_MARGIN = 1.10  # headroom for temporary names, logs and the card
-REFERENCE_MEMORY_FACTOR = 1.3  # float32 weights plus activations and the library's own copies
+GB = 1e9
+
+# Resident memory of a build process before any model: the libraries, plus its tokenizer (about 1 kB a token).
+# Measured as the `tokens` stage's peak: 0.60 GB with SmolLM2's 49k vocabulary, 0.70 GB with Qwen's 152k.
+LIBRARIES_RSS = 0.55 * GB
+TOKENIZER_BYTES_PER_TOKEN = 1000
+CONVERTER_RSS = 0.35 * GB  # llama.cpp's converter process before it maps the model (it imports torch)
+
+# Seconds per unit of work in units of this host's measured float32 GEMM time (2 x parameters x tokens
+# multiply-adds at that rate). Fitted by scripts/bench_scale.py on SmolLM2-135M and Qwen2.5-Coder-0.5B (2 cores):
+# "reference" and "evaluate/gguf"; the torch-quantizer and dequantized-evaluation factors are estimates, not fitted
+# (docs/design.md).
+TIME_FACTORS = {
+    "reference": 1.8,  # transformers, float32 arithmetic over bf16 weights
+    "evaluate/gguf": 2.6,  # llama.cpp, every position's logits, then the comparison with the reference
+    "evaluate/torch": 2.5,  # dequantized per module, every window (estimate)
+    "quantize/gptq": 6.0,  # calibration forward passes plus per-layer solves (estimate)
+    "quantize/int8": 3.0,  # (estimate)
+    "tasks": 1.8,
+}
+FIXED_SECONDS = {  # start-up work that does not grow with the model: imports, child processes, tokenizers
+    "fetch": 0.5,
+    "tokens": 1.0,
+    "calibration": 3.0,
+    "host": 3.0,
+    "reference": 4.0,
+    "evaluate": 1.0,
+    "intermediate/gguf-f16": 4.5,
+    "quantize/gguf": 0.2,
+    "quantize/torch": 30.0,
+    "speed": 8.0,
+    "card": 2.0,
+}
+CONVERT_SECONDS_PER_GB = 10.8  # llama.cpp's converter: reads the checkpoint, writes F16 (fitted, as above)
+GGUF_QUANTIZE_PARAMETERS_PER_SECOND = 43e6  # llama_model_quantize from F16, per thread (fitted, as above)
+NARROW_WIDTH = 1024  # hidden size below which llama.cpp's evaluation slows in proportion (fitted, as above)
+LLAMA_UBATCH = 512  # llama.cpp's compute buffer holds this many positions' logits besides its output buffer
+GGUF_BITS = {"gguf-f16": 16.0, "gguf-q8_0": 8.5, "gguf-q5km": 5.69, "gguf-q4km": 4.89}
 
 
-def _existing_parent(path: Path) -> Path:
-    while not path.exists():
-        path = path.parent
-    return path
+@dataclass(frozen=True)
+class ModelSize:
+    """What the plan needs of a model: from its config and safetensors headers, or a recipe's ``size``."""
+
+    parameters: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    dtype: str = "bfloat16"
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.parameters * (4 if self.dtype == "float32" else 2)
+
+    @property
+    def bf16_bytes(self) -> int:
+        return self.parameters * 2
+
+    @classmethod
+    def from_facts(cls, facts: dict) -> "ModelSize":
+        missing = [k for k in ("parameters", "hidden_size", "num_layers", "vocab_size") if not facts.get(k)]
+        if missing:
+            raise QuantforgeError(f"cannot plan resources: the model's size lacks {', '.join(missing)}")
+        return cls(
+            parameters=int(facts["parameters"]),
+            hidden_size=int(facts["hidden_size"]),
+            intermediate_size=int(facts.get("intermediate_size") or 4 * facts["hidden_size"]),
+            num_layers=int(facts["num_layers"]),
+            vocab_size=int(facts["vocab_size"]),
+            tie_word_embeddings=bool(facts.get("tie_word_embeddings", False)),
+            dtype=str(facts.get("dtype") or "bfloat16"),
+        )
+
+
+@dataclass(frozen=True)
+class HostSpeed:
+    gemm_gflops: float  # float32 matrix multiply, all threads
+    memory_available: int | None
+    threads: int
+    gpu_memory_free: int | None = None  # of the chosen CUDA device, when one was chosen
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def measure_gemm_gflops(threads: int, size: int = 768, seconds: float = 0.3) -> float:
+    """float32 matrix-multiply rate of this host (numpy's BLAS), the median of repeated multiplies: what the
+    machine gives now, load included (a busy host is predicted slower, as it will be)."""
+    import numpy as np
+
+    a = np.random.default_rng(0).standard_normal((size, size), dtype=np.float32)
+    times = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(times) < 3:
+        start = time.perf_counter()
+        a @ a
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / float(np.median(times)) / 1e9
 
 
 def available_memory_bytes() -> int | None:
@@ -28,34 +131,225 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def planned_disk_bytes(parameters: int, nominal_bits: list[float], needs_f16_gguf: bool) -> int:
-    artifacts = sum(parameters * bits / 8 for bits in nominal_bits)
-    intermediate = parameters * 2 if needs_f16_gguf else 0
-    return int((artifacts + intermediate) * DISK_MARGIN)
+def gpu_memory_free(device: str) -> int | None:
+    """Free memory of a CUDA device (torch's view), or None for the CPU."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    return int(free)
 
 
-def check_resources(
-    run_dir: Path, parameters: int, nominal_bits: list[float], needs_f16_gguf: bool, needs_reference_model: bool
-) -> dict:
-    """Refuse a build that cannot fit; return the numbers for the manifest."""
-    needed_disk = planned_disk_bytes(parameters, nominal_bits, needs_f16_gguf)
-    free_disk = shutil.disk_usage(_existing_parent(run_dir)).free
-    if needed_disk > free_disk:
-        raise QuantforgeError(
-            f"not enough disk at {run_dir}: the planned artifacts need about {needed_disk / 1e9:.2f} GB and "
-            f"{free_disk / 1e9:.2f} GB is free; free space or choose another --out"
-        )
-    needed_memory = int(parameters * 4 * REFERENCE_MEMORY_FACTOR) if needs_reference_model else 0
-    available = available_memory_bytes()
-    if available is not None and needed_memory > available and not os.environ.get("QUANTFORGE_IGNORE_MEMORY"):
-        raise QuantforgeError(
-            f"not enough memory: evaluating the float reference needs about {needed_memory / 1e9:.1f} GB and "
-            f"{available / 1e9:.1f} GB is available; use a machine with more memory "
-            "(or set QUANTFORGE_IGNORE_MEMORY=1 to try anyway)"
-        )
+def measure_host(threads: int, device: str = "cpu") -> HostSpeed:
+    return HostSpeed(round(measure_gemm_gflops(threads), 2), available_memory_bytes(), threads, gpu_memory_free(device))
+
+
+@dataclass
+class StagePlan:
+    key: str
+    seconds: float
+    peak_rss_bytes: int
+    disk_bytes: int = 0
+    vram_bytes: int = 0
+    note: str = ""
+
+    def to_json(self) -> dict:
+        return {k: (round(v, 1) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """The build's choices the plan depends on (from pipeline.Plan)."""
+
+    formats: list  # (key, backend name, nominal bits)
+    context: int
+    windows: int
+    calibration_tokens: int  # samples x seqlen when a format calibrates, else 0
+    speed_tokens: int  # prompt + generated tokens per probe run, 0 when the probe is off
+    task_count: int
+    device: str = "cpu"
+
+
+def _logits_bytes(size: ModelSize, positions: int) -> int:
+    return positions * size.vocab_size * 4
+
+
+def _torch_window_bytes(size: ModelSize, context: int) -> int:
+    """Scratch for one window in torch: its logits, the float64 rows compared at a time, the widest activations."""
+    return _logits_bytes(size, context) + 32 * size.vocab_size * 8 * 3 + context * size.intermediate_size * 4 * 2
+
+
+def _llama_window_bytes(size: ModelSize, context: int) -> int:
+    """llama.cpp keeps every position's logits in its output buffer and a micro-batch's in its compute buffer."""
+    return _logits_bytes(size, context) + _logits_bytes(size, min(context, LLAMA_UBATCH))
+
+
+def _resident_weights(size: ModelSize) -> int:
+    """Stored weights a forward pass touches: an untied embedding table is read only at the looked-up rows."""
+    if size.tie_word_embeddings:
+        return size.stored_bytes
+    return size.stored_bytes - size.vocab_size * size.hidden_size * size.stored_bytes // size.parameters
+
+
+def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> list[StagePlan]:
+    """Every stage of the build in run order, with its predicted seconds, peak resident memory and disk."""
+    flop_seconds = 2 * size.parameters / (host.gemm_gflops * 1e9)  # one token through the model at GEMM speed
+    eval_tokens = inputs.context * inputs.windows
+    base = int(LIBRARIES_RSS + TOKENIZER_BYTES_PER_TOKEN * size.vocab_size)
+    widened = min(size.hidden_size * size.intermediate_size * 4, 64 << 20)  # one module (or LM-head slice) widened
+    on_gpu = inputs.device.startswith("cuda")
+    stages = [
+        StagePlan("fetch", FIXED_SECONDS["fetch"], int(LIBRARIES_RSS), size.stored_bytes, note="download not timed"),
+        StagePlan("tokens", FIXED_SECONDS["tokens"], base),
+    ]
+
+    def torch_stage(key: str, factor: str, tokens: int, held: int, fixed: str) -> StagePlan:
+        rss = base + held + widened + _torch_window_bytes(size, inputs.context)
+        seconds = FIXED_SECONDS[fixed] + TIME_FACTORS[factor] * flop_seconds * tokens
+        if on_gpu:  # weights and activations on the GPU; host memory holds the libraries and a window's logits
+            return StagePlan(key, seconds, base + _logits_bytes(size, inputs.context), 0, rss - base)
+        return StagePlan(key, seconds, rss)
+
+    reference_weights = _resident_weights(size)
+    stages.append(torch_stage("reference", "reference", eval_tokens, reference_weights, "reference"))
+    for index in range(inputs.task_count):
+        stages.append(torch_stage(f"tasks/reference/{index}", "tasks", 0, reference_weights, "evaluate"))
+    if inputs.calibration_tokens:
+        stages.append(StagePlan("calibration", FIXED_SECONDS["calibration"], base))
+    stages.append(StagePlan("host", FIXED_SECONDS["host"], base))
+    if any(backend == "llamacpp" for _, backend, _ in inputs.formats):
+        seconds = FIXED_SECONDS["intermediate/gguf-f16"] + CONVERT_SECONDS_PER_GB * size.stored_bytes / GB
+        # The converter is a child process that maps the checkpoint and writes tensor by tensor (measured: 0.9 of
+        # the checkpoint resident at its peak); the build process waits beside it.
+        peak = max(base, int(CONVERTER_RSS + 0.9 * size.stored_bytes))
+        stages.append(StagePlan("intermediate/gguf-f16", seconds, peak, size.bf16_bytes, note="child process"))
+    bits_of = {key: bits for key, _, bits in inputs.formats}
+    for key, backend, bits in inputs.formats:
+        artifact = int(size.parameters * bits / 8)
+        if backend == "llamacpp":
+            seconds = FIXED_SECONDS["quantize/gguf"] + size.parameters / (
+                GGUF_QUANTIZE_PARAMETERS_PER_SECOND * max(1, host.threads)
+            )
+            # llama.cpp maps the F16 file and streams through it (measured: 0.75 of it resident at the peak).
+            stages.append(StagePlan(f"quantize/{key}", seconds, int(base + 0.75 * size.bf16_bytes), artifact))
+            # llama.cpp's quantized kernels run further below the GEMM rate on narrow layers (measured: SmolLM2's
+            # 576-wide ones at about half the rate of Qwen's 896-wide ones, relative to the FLOPs).
+            narrow = max(1.0, NARROW_WIDTH / size.hidden_size)
+            seconds = FIXED_SECONDS["evaluate"] + TIME_FACTORS["evaluate/gguf"] * narrow * flop_seconds * eval_tokens
+            stages.append(
+                StagePlan(f"evaluate/{key}", seconds, base + artifact + _llama_window_bytes(size, inputs.context))
+            )
+        else:
+            method = "int8" if key == "int8" else "gptq"
+            calibration = max(inputs.calibration_tokens, 1)
+            seconds = FIXED_SECONDS["quantize/torch"] + TIME_FACTORS[f"quantize/{method}"] * flop_seconds * calibration
+            # The library holds the bf16 model, one layer's calibration activations and its Hessians.
+            held = size.bf16_bytes + calibration * size.hidden_size * 4 * 4 + 4 * size.intermediate_size**2 * 4
+            plan = StagePlan(f"quantize/{key}", seconds, base + held, artifact)
+            if on_gpu:
+                plan.vram_bytes, plan.peak_rss_bytes = held, base + size.bf16_bytes
+            stages.append(plan)
+            # Packed weights, plus the unquantized embedding table (and LM head, when untied) in 16 bits.
+            unquantized = size.vocab_size * size.hidden_size * 2 * (1 if size.tie_word_embeddings else 2)
+            stages.append(
+                torch_stage(f"evaluate/{key}", "evaluate/torch", eval_tokens, artifact + unquantized, "evaluate")
+            )
+        for index in range(inputs.task_count):
+            stages.append(torch_stage(f"tasks/{key}/{index}", "tasks", 0, artifact, "evaluate"))
+    if inputs.speed_tokens:
+        for key in ["reference", *bits_of]:
+            seconds = FIXED_SECONDS["speed"] + 3 * flop_seconds * inputs.speed_tokens
+            held = size.stored_bytes if key == "reference" else int(bits_of[key] * size.parameters / 8)
+            stages.append(StagePlan(f"speed/{key}", seconds, base + held, note="child process"))
+    stages.append(StagePlan("card", FIXED_SECONDS["card"], base))
+    return stages
+
+
+def summarize(stages: list[StagePlan], size: ModelSize) -> dict:
+    peak = max(stages, key=lambda s: s.peak_rss_bytes)
+    vram = max(stages, key=lambda s: s.vram_bytes)
     return {
-        "disk_needed_bytes": needed_disk,
-        "disk_free_bytes": free_disk,
-        "memory_needed_bytes": needed_memory,
-        "memory_available_bytes": available,
+        "seconds": round(sum(s.seconds for s in stages), 1),
+        "peak_rss_bytes": peak.peak_rss_bytes,
+        "peak_stage": peak.key,
+        "peak_vram_bytes": vram.vram_bytes,
+        "disk_bytes": int(sum(s.disk_bytes for s in stages) * DISK_MARGIN),
+        "bf16_weights_bytes": size.bf16_bytes,
+        "peak_over_bf16": round(peak.peak_rss_bytes / size.bf16_bytes, 3),
+        # What the model itself costs: the peak less the build process's footprint before any model.
+        "peak_beyond_libraries_over_bf16": round(
+            (peak.peak_rss_bytes - LIBRARIES_RSS - TOKENIZER_BYTES_PER_TOKEN * size.vocab_size) / size.bf16_bytes, 3
+        ),
     }
+
+
+def _existing_parent(path: Path) -> Path:
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _refuse_largest(stages: list[dict], field: str, limit: int | None, what: str, advice: str) -> None:
+    """One line naming the stage that needs most of ``field``, when it needs more than ``limit``."""
+    if not stages or not limit or os.environ.get("QUANTFORGE_IGNORE_MEMORY"):
+        return
+    worst = max(stages, key=lambda s: s[field])
+    if worst[field] > limit:
+        raise QuantforgeError(
+            f"not enough {what}: stage {worst['key']} needs about {worst[field] / GB:.1f} GB and "
+            f"{limit / GB:.1f} GB is available; {advice}, or QUANTFORGE_IGNORE_MEMORY=1 to try anyway"
+        )
+
+
+def check_plan(plan: dict, run_dir: Path, done: set[str] = frozenset()) -> None:
+    """Refuse, with the numbers, a build this host cannot hold: memory (and GPU memory) of the largest stage, disk
+    of all stages not yet done. ``QUANTFORGE_IGNORE_MEMORY=1`` lets a user try anyway."""
+    stages = [s for s in plan["stages"] if s["key"] not in done]
+    host = plan["host"]
+    _refuse_largest(stages, "peak_rss_bytes", host.get("memory_available"), "memory",
+                    "use a machine with more memory, fewer formats")  # fmt: skip
+    _refuse_largest(stages, "vram_bytes", host.get("gpu_memory_free"), f"GPU memory on {plan['device']}",
+                    "use a larger GPU, --device cpu")  # fmt: skip
+    needed = int(sum(s["disk_bytes"] for s in stages if s["key"] != "fetch") * DISK_MARGIN)
+    free = shutil.disk_usage(_existing_parent(run_dir)).free
+    if needed > free:
+        raise QuantforgeError(
+            f"not enough disk at {run_dir}: the planned artifacts need about {needed / GB:.2f} GB and "
+            f"{free / GB:.2f} GB is free; free space or choose another --out"
+        )
+
+
+def make_resource_plan(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> dict:
+    stages = plan_stages(size, inputs, host)
+    return {
+        "model": asdict(size),
+        "host": host.to_json(),
+        "device": inputs.device,
+        "stages": [s.to_json() for s in stages],
+        "total": summarize(stages, size),
+    }
+
+
+def plan_versus_actual(plan: dict, stages: dict) -> list[dict]:
+    """Per stage: predicted and measured seconds and peak memory, and their ratios (from a run's manifest)."""
+    rows = []
+    for predicted in plan.get("stages", []):
+        record = stages.get(predicted["key"])
+        if not record:
+            continue
+        memory = (record.get("memory") or {}).get("peak_rss_bytes")
+        child = (record.get("memory") or {}).get("child_peak_rss_bytes")
+        actual_memory = max(memory or 0, child or 0) or None
+        rows.append(
+            {
+                "key": predicted["key"],
+                "predicted_seconds": predicted["seconds"],
+                "seconds": record.get("seconds"),
+                "time_ratio": round(record["seconds"] / predicted["seconds"], 2) if record.get("seconds") else None,
+                "predicted_peak_rss_bytes": predicted["peak_rss_bytes"],
+                "peak_rss_bytes": actual_memory,
+                "memory_ratio": round(actual_memory / predicted["peak_rss_bytes"], 2) if actual_memory else None,
+            }
+        )
+    return rows

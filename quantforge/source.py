@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import re
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -185,7 +186,8 @@ def _smollm2_gguf() -> Path:
 
 
 def dequantize_gguf_to_folder(gguf_path: Path, dest: Path, log: Callable[[str], None]) -> None:
-    """Load a GGUF with transformers (dequantized) and save it as a clean safetensors folder.
+    """Load a GGUF with transformers (dequantized) and save it as a clean bf16 safetensors folder, as checkpoints
+    on the Hub are (so a bundled model's build costs what a user's does: memory is measured against bf16 weights).
 
     transformers refuses to save a model it loaded from GGUF (the config carries a quantization_config), so the
     model is rebuilt from a copy of the config without it and the weights are copied over.
@@ -203,13 +205,19 @@ def dequantize_gguf_to_folder(gguf_path: Path, dest: Path, log: Callable[[str], 
     config_dict.pop("_name_or_path", None)
     config = AutoConfig.for_model(**config_dict)
     with torch.device("meta"):
-        clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    clean.load_state_dict(loaded.state_dict(), assign=True)
+        clean = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    clean.load_state_dict({k: v.to(torch.bfloat16) for k, v in loaded.state_dict().items()}, assign=True)
     clean.tie_weights()
     with atomic_output(dest) as tmp:
         clean.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         atomic_write_json(tmp / "quantforge-origin.json", {"dequantized_from": gguf_path.name})
+
+
+def _bundled_folder_current(dest: Path) -> bool:
+    """A bundled model cached before checkpoints were stored in bf16 is made again."""
+    config = dest / "config.json"
+    return config.exists() and json.loads(config.read_text()).get("dtype") == "bfloat16"
 
 
 def _repair_gguf_tokenizer(tokenizer, gguf_path: Path) -> None:
@@ -250,7 +258,7 @@ def _repair_gguf_tokenizer(tokenizer, gguf_path: Path) -> None:
 
 def _bundled_smollm2(log: Callable[[str], None]) -> Path:
     dest = cache_root() / "models" / "smollm2-135m"
-    if not (dest / "config.json").exists():
+    if not _bundled_folder_current(dest):
         dequantize_gguf_to_folder(_smollm2_gguf(), dest, log)
     return dest
 
@@ -287,7 +295,7 @@ def qwen_coder_gguf(log: Callable[[str], None] = print) -> Path:
 
 def _bundled_qwen_coder(log: Callable[[str], None]) -> Path:
     dest = cache_root() / "models" / "qwen2.5-coder-0.5b"
-    if not (dest / "config.json").exists():
+    if not _bundled_folder_current(dest):
         dequantize_gguf_to_folder(qwen_coder_gguf(log), dest, log)
     return dest
 
@@ -540,3 +548,41 @@ def fetch(
         config=facts,
         trust_remote_code=trust_remote_code,
     )
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr)  # stdout may be --json
+
+
+def model_size_without_weights(spec: ModelSpec, recipe=None) -> dict:
+    """The model's size facts (see resources.ModelSize) without downloading its weights: a recipe's ``size``, a
+    local or bundled folder's config and safetensors headers, or the Hub's config.json and safetensors metadata."""
+    if recipe is not None and recipe.size and spec.kind == "hub":
+        return dict(recipe.size)
+    if spec.kind in ("bundled", "local"):
+        from .artifacts import parameter_count
+
+        folder = BUNDLED[spec.target](_to_stderr) if spec.kind == "bundled" else Path(spec.target)
+        return {**model_facts(folder), "parameters": parameter_count(folder)}
+    if spec.kind != "hub":
+        raise QuantforgeError(f"cannot plan a model of kind {spec.kind}")
+    from huggingface_hub import get_safetensors_metadata, hf_hub_download
+
+    try:
+        config = json.loads(Path(hf_hub_download(spec.target, "config.json", revision=spec.revision)).read_text())
+        metadata = get_safetensors_metadata(spec.target, revision=spec.revision)
+    except Exception as exc:  # network, authentication, a repo without safetensors: all end the plan here
+        raise QuantforgeError(
+            f"cannot plan {spec.target} without its size: the Hub's metadata could not be read "
+            f"({_first_line(exc)}); use a recipe with a size: block, or a local folder"
+        ) from None
+    text = config.get("text_config") or config
+    return {
+        "parameters": sum(metadata.parameter_count.values()),
+        "hidden_size": text.get("hidden_size"),
+        "intermediate_size": text.get("intermediate_size"),
+        "num_layers": text.get("num_hidden_layers"),
+        "vocab_size": text.get("vocab_size"),
+        "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "dtype": config.get("dtype") or config.get("torch_dtype") or "bfloat16",
+    }

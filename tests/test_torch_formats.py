@@ -175,3 +175,32 @@ def test_too_small_calibration_set_is_a_clear_error(tiny_llama, tmp_path):
     )
     assert result.returncode == 2
     assert "fewer than the 1024 asked for (8 samples x 128 tokens)" in result.stderr
+
+
+@pytest.mark.parametrize("key", TORCH_FORMATS.split(","))
+def test_packed_evaluation_equals_a_fully_dequantized_model(torch_run, key, monkeypatch):
+    """Weights kept packed and dequantized per module (every module forced onto that path) give the logits of a
+    float32 model holding every dequantized weight at once."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import quantforge.dequant as dequant
+    import quantforge.lean as lean
+
+    folder = torch_run / "artifacts" / key
+    monkeypatch.setattr(dequant, "SMALL_PARAMETER", 0)
+    monkeypatch.setattr(lean, "CHUNK_ELEMENTS", 1 << 16)
+    packed = dequant.float_model_from_artifact(folder)
+    config, state = dequantized_state_dict(folder)
+    eager = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(**{k: v for k, v in config.items() if not k.startswith("_")}), dtype=torch.float32
+    ).eval()
+    eager.load_state_dict(state, strict=False)
+    eager.tie_weights()
+    if config["_quantization_config"]["quant_method"] == "compressed-tensors":
+        modules = dict(eager.named_modules())
+        for prefix in config["_quantized_modules"]:
+            modules[prefix].register_forward_pre_hook(dequant.quantize_activations_per_token)
+    ids = torch.randint(3, 1000, (1, 64), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.equal(packed(input_ids=ids).logits, eager(input_ids=ids).logits)
+    assert all(p.device.type == "meta" for p in packed.model.layers[0].mlp.parameters())  # nothing held widened

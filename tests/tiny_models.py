@@ -137,7 +137,7 @@ def build_tiny_model(kind: str, tokenizer_dir: Path, out: Path, seed: int = 0) -
     config = make_config()
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    model.to(torch.bfloat16).save_pretrained(out)  # as checkpoints on the Hub are stored
     if tokenizer == "sp":
         write_sentencepiece_tokenizer(out)
         return out

@@ -43,7 +43,9 @@ class LogitsRunner(Protocol):
 
     runtime: str
 
-    def logits(self, tokens: np.ndarray) -> np.ndarray:  # [n, vocab] float32
+    def logits(self, tokens: np.ndarray) -> np.ndarray:
+        """[n, vocab] float32 logits of every position of the window. A runner may also offer ``logits_view``: the
+        same without a copy, valid only until its next call (the evaluation uses it when present)."""
         ...
 
     def close(self) -> None: ...
@@ -57,11 +59,12 @@ class QuantizeJob:
     format: Format
     settings: dict
     out: Path  # a temporary path; the backend creates it (a folder), the pipeline renames it when complete
-    intermediate: Callable[..., Path]  # shared, manifest-recorded intermediate files (see Build.intermediate)
+    intermediate: Callable[[str], Path]  # name -> path of a shared file made before this job (Backend.intermediates)
     log_dir: Path  # where library output (per-tensor lines and such) goes instead of the terminal
     calibration: Path | None = None  # the run's calibration tokens, [samples, seqlen] int32 (.npy)
     checkpoint_dir: Path | None = None  # survives a killed run, for libraries that resume layer by layer
     threads: int = 2
+    device: str = "cpu"  # where torch quantizers run: cpu or cuda:N (device.resolve_device)
     log: Callable[[str], None] = print
 
 
@@ -114,9 +117,15 @@ class Backend(abc.ABC):
         """The file a runtime loads (for GGUF), or the folder itself (HF formats)."""
         return artifact_dir
 
+    def intermediates(self, fmt: Format) -> dict[str, tuple[str, Callable[["SourceModel", Path, Path], dict]]]:
+        """Files several formats share: name -> (file suffix, builder(source, out, log_dir)), made and recorded
+        once per run before the first quantize stage that needs them; ``QuantizeJob.intermediate(name)`` then
+        gives the path."""
+        return {}
+
     @abc.abstractmethod
-    def open_runner(self, artifact_dir: Path, *, context: int, threads: int) -> LogitsRunner:
-        """Load the artifact from disk for evaluation."""
+    def open_runner(self, artifact_dir: Path, *, context: int, threads: int, device: str = "cpu") -> LogitsRunner:
+        """Load the artifact from disk for evaluation (torch work on ``device``)."""
 
     def probe_target(self, artifact_dir: Path) -> tuple[str, Path] | str:
         """(runtime, path) for the decode-speed probe in the format's own runtime, or why this host has none."""

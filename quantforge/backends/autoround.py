@@ -64,6 +64,7 @@ class AutoRoundBackend(LlamaCppBackend):
             seqlen=int(calibration.shape[1]),
             dataset=texts,
             seed=0,
+            device_map=job.device,
         )
         export = job.out.with_name(job.out.name + "-export")
         try:

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 from . import Format, QuantizeJob
-from .hf import VLLM_RUNTIMES, HFFolderBackend, load_calibration, move_logs, set_threads
+from .hf import VLLM_RUNTIMES, HFFolderBackend, load_calibration, move_logs, set_threads, vllm_target
 
 FORMATS = {
     "gptq-int4": Format("gptq-int4", "hf", "GPTQ W4A16", VLLM_RUNTIMES, 4.25, "GPTQ 4-bit (vLLM, transformers)"),
@@ -113,7 +113,11 @@ class GPTQModelBackend(HFFolderBackend):
         ]
         torch.manual_seed(0)
         model = GPTQModel.load(
-            str(job.source.path), config, dtype=torch.bfloat16, trust_remote_code=job.source.trust_remote_code
+            str(job.source.path),
+            config,
+            dtype=torch.bfloat16,
+            device=job.device,
+            trust_remote_code=job.source.trust_remote_code,
         )
         checkpoint = None
         if resumable:
@@ -122,7 +126,9 @@ class GPTQModelBackend(HFFolderBackend):
             from gptqmodel.looper.checkpoint_store import CheckpointConfig
 
             checkpoint = CheckpointConfig(path=str(job.checkpoint_dir), resume="auto", interval="layer:1")
-        model.quantize(samples, batch_size=1, backend=BACKEND.TORCH, checkpoint=checkpoint)
+        # The torch kernels on CPU (the only ones there); on a GPU GPTQModel picks its own.
+        kernels = BACKEND.TORCH if job.device == "cpu" else BACKEND.AUTO
+        model.quantize(samples, batch_size=1, backend=kernels, checkpoint=checkpoint)
         model.save(str(job.out))
         _drop_local_paths(job.out)
         move_logs(job.out, job.log_dir, job.format.name, ("quant_log.csv",))
@@ -140,5 +146,6 @@ class GPTQModelBackend(HFFolderBackend):
         return facts
 
     def probe_target(self, artifact_dir: Path) -> tuple[str, Path]:
-        # transformers loads these folders with GPTQModel's CPU (torch) kernels: what a CPU user would run.
-        return "transformers", artifact_dir
+        # vLLM where installed (its Marlin kernels); else transformers with GPTQModel's CPU (torch) kernels, what a
+        # CPU user would run.
+        return vllm_target(artifact_dir) or ("transformers", artifact_dir)

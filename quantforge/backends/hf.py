@@ -85,6 +85,13 @@ def move_logs(out: Path, log_dir: Path, label: str, names: tuple[str, ...]) -> N
             shutil.move(str(out / name), log_dir / f"{label}-{name}")
 
 
+def vllm_target(artifact_dir: Path) -> tuple[str, Path] | None:
+    """The speed probe runs an HF artifact in vLLM, its serving runtime, wherever vLLM is installed."""
+    import importlib.util
+
+    return ("vllm", artifact_dir) if importlib.util.find_spec("vllm") is not None else None
+
+
 class HFFolderBackend(Backend):
     """A backend whose artifacts are HF folders with a quantization_config, evaluated dequantized."""
 
@@ -100,11 +107,11 @@ class HFFolderBackend(Backend):
     def group_size(self, source, fmt, settings: dict) -> tuple[int | None, str | None]:
         return resolve_group_size(source.config, settings.get("group_size", 128))
 
-    def open_runner(self, artifact_dir: Path, *, context: int, threads: int) -> LogitsRunner:
+    def open_runner(self, artifact_dir: Path, *, context: int, threads: int, device: str = "cpu") -> LogitsRunner:
         from ..dequant import float_model_from_artifact
         from ..runners import TorchRunner
 
-        model = float_model_from_artifact(artifact_dir)
+        model = float_model_from_artifact(artifact_dir, device=device)
         runner = TorchRunner(model, threads)
         runner.runtime = "transformers (dequantized in torch)"
         if model.quantforge_unsimulated:

@@ -77,9 +77,15 @@ def quantize_gguf(source: Path, target: Path, ftype: int, threads: int, log_path
 class LlamaCppRunner:
     runtime = "llama.cpp"
 
-    def __init__(self, gguf_path: Path, *, context: int, threads: int):
+    def __init__(self, gguf_path: Path, *, context: int, threads: int, device: str = "cpu"):
         prepare_llama_cpp_env()
+        import llama_cpp
         from llama_cpp import Llama
+
+        # Every layer on the GPU when one was chosen and this llama.cpp build can offload (a CUDA build).
+        offload = device.startswith("cuda") and llama_cpp.llama_supports_gpu_offload()
+        if offload:
+            self.runtime = "llama.cpp (CUDA)"
 
         self.flash_attn = False  # matches the float reference; llama.cpp's default in llama-cpp-python
         self.threads = threads
@@ -92,13 +98,19 @@ class LlamaCppRunner:
             n_threads_batch=threads,
             logits_all=True,
             flash_attn=self.flash_attn,
+            n_gpu_layers=-1 if offload else 0,
             verbose=False,
         )
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
-        """One decode of the whole window with every position's logits, copied once from llama.cpp's buffer.
+        """Every position's logits for the window, a copy the caller keeps."""
+        return self.logits_view(tokens).copy()
 
-        (Llama.eval would also copy them into its own score matrix, a second full copy per window.)
+    def logits_view(self, tokens: np.ndarray) -> np.ndarray:
+        """One decode of the whole window with every position's logits, read in place from llama.cpp's buffer:
+        valid until the next decode or ``close``. The evaluation uses it window by window, so a window's logits are
+        held once, not twice (1.2 GB each for a 150k vocabulary at 2048 tokens). (Llama.eval would copy them into
+        its own score matrix too.)
         """
         context, batch = self.llm._ctx, self.llm._batch
         context.kv_cache_clear()
@@ -106,12 +118,22 @@ class LlamaCppRunner:
         batch.set_batch(batch=ids, n_past=0, logits_all=True)
         context.decode(batch)
         vocab = self.llm.n_vocab()
-        return np.ctypeslib.as_array(context.get_logits(), shape=(len(ids) * vocab,)).reshape(len(ids), vocab).copy()
+        return np.ctypeslib.as_array(context.get_logits(), shape=(len(ids) * vocab,)).reshape(len(ids), vocab)
 
     def close(self) -> None:
+        from ..memory import release_freed_memory
+
         if self.llm is not None:
             self.llm.close()
             self.llm = None
+        release_freed_memory()
+
+
+def convert_f16(source, out: Path, log_dir: Path) -> dict:
+    """The F16 GGUF every llama.cpp format is quantized from, by llama.cpp's own converter."""
+    from ..llamacpp_convert import convert_hf_to_gguf
+
+    return convert_hf_to_gguf(source.path, out, outtype="f16", name=source.name, log_path=log_dir / "convert-gguf.log")
 
 
 class LlamaCppBackend(Backend):
@@ -135,16 +157,13 @@ class LlamaCppBackend(Backend):
 
         return architecture_problem(source.config.get("architecture"))
 
-    def quantize(self, job: QuantizeJob) -> dict:
-        from ..llamacpp_convert import convert_hf_to_gguf, describe
+    def intermediates(self, fmt: Format) -> dict:
+        return {"gguf-f16": (".gguf", convert_f16)}
 
-        f16 = job.intermediate(
-            "gguf-f16",
-            lambda out: convert_hf_to_gguf(
-                job.source.path, out, outtype="f16", name=job.source.name, log_path=job.log_dir / "convert-gguf.log"
-            ),
-            suffix=".gguf",
-        )
+    def quantize(self, job: QuantizeJob) -> dict:
+        from ..llamacpp_convert import describe
+
+        f16 = job.intermediate("gguf-f16")
         scheme, ftype = FILE_TYPES[job.format.name]
         job.out.mkdir(parents=True)
         target = job.out / f"{job.source.name}-{scheme}.gguf"
@@ -164,11 +183,11 @@ class LlamaCppBackend(Backend):
     def artifact_file(self, artifact_dir: Path) -> Path:
         return gguf_file_in(artifact_dir)
 
-    def open_runner(self, artifact_dir: Path, *, context: int, threads: int) -> LogitsRunner:
+    def open_runner(self, artifact_dir: Path, *, context: int, threads: int, device: str = "cpu") -> LogitsRunner:
         from ..artifacts import gguf_tensors
 
         gguf_tensors(self.artifact_file(artifact_dir))  # a damaged file gets a clear error, not a crash in C
-        return LlamaCppRunner(self.artifact_file(artifact_dir), context=context, threads=threads)
+        return LlamaCppRunner(self.artifact_file(artifact_dir), context=context, threads=threads, device=device)
 
     def probe_target(self, artifact_dir: Path) -> tuple[str, Path]:
         return "llama.cpp", self.artifact_file(artifact_dir)

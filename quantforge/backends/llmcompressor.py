@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import Format, QuantizeJob
-from .hf import VLLM_RUNTIMES, HFFolderBackend, load_calibration, set_threads
+from .hf import VLLM_RUNTIMES, HFFolderBackend, load_calibration, set_threads, vllm_target
 
 FORMATS = {
     "int8": Format("int8", "hf", "W8A8 INT8", VLLM_RUNTIMES, 8.1, "INT8 weights and activations (vLLM)"),
@@ -96,7 +96,10 @@ class LLMCompressorBackend(HFFolderBackend):
         # bf16, as GPTQModel loads it too: the tensors left unquantized (embeddings, norms) are saved in the dtype
         # the model was calibrated in, and a release ships them in 16 bits.
         model = AutoModelForCausalLM.from_pretrained(
-            job.source.path, dtype=torch.bfloat16, trust_remote_code=job.source.trust_remote_code
+            job.source.path,
+            dtype=torch.bfloat16,
+            device_map=job.device,
+            trust_remote_code=job.source.trust_remote_code,
         )
         tokenizer = AutoTokenizer.from_pretrained(job.source.path)
         oneshot(
@@ -124,8 +127,8 @@ class LLMCompressorBackend(HFFolderBackend):
             facts["group_size_note"] = note
         return facts
 
-    def probe_target(self, artifact_dir: Path) -> str:
-        return (
-            "compressed-tensors checkpoints run in vLLM's kernels, which need a GPU; on a CPU transformers only "
-            "decompresses them to float, which says nothing about their speed"
+    def probe_target(self, artifact_dir: Path) -> tuple[str, Path] | str:
+        return vllm_target(artifact_dir) or (
+            "not measured here: vLLM not installed (compressed-tensors checkpoints run in vLLM's kernels, on a GPU; "
+            "transformers only decompresses them to float, which says nothing about their speed)"
         )

@@ -1,0 +1,143 @@
+"""float32 arithmetic over weights that stay small in memory until the module that uses them runs.
+
+A float32 copy of a model costs twice its bf16 checkpoint, and evaluating it that way put a 7B build at about 47 GB of
+RAM. Widening bf16 (or fp16) to float32 is exact, so a module that holds its stored weights and widens them only for
+the length of its own forward computes the very same numbers as a float32 model, while memory holds the stored
+weights plus one module's float32 copy. Quantized checkpoints go one step further: a weight is kept packed and
+dequantized (to the same float32 values ``dequant`` gives) when its module runs.
+
+Parameters under ``SMALL_PARAMETER`` elements (norms, biases) are widened once and for
+all: hooks would cost more time than they save memory. Buffers (rotary frequencies, Gemma's embedding scale) are
+computed in float32 as a float32 model computes them, never taken from a bf16 initialisation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+SMALL_PARAMETER = 1 << 16  # norms and biases: widened once, for good
+
+WeightSource = Callable[[], torch.Tensor]  # gives a float32 tensor, on the module's device, when called
+
+
+def _widen_on_entry(module: torch.nn.Module, args) -> None:
+    for name, make in module._quantforge_sources.items():
+        module._parameters[name] = torch.nn.Parameter(make(), requires_grad=False)
+
+
+def _narrow_on_exit(module: torch.nn.Module, args, output) -> None:
+    module._parameters.update(module._quantforge_resting)
+
+
+def attach_sources(module: torch.nn.Module, sources: dict[str, WeightSource]) -> None:
+    """Give ``module`` weights that exist in float32 only while its forward runs."""
+    if not hasattr(module, "_quantforge_sources"):
+        module._quantforge_sources = {}
+        module._quantforge_resting = {}
+        module.register_forward_pre_hook(_widen_on_entry)
+        module.register_forward_hook(_narrow_on_exit)
+    for name, make in sources.items():
+        module._quantforge_sources[name] = make
+        module._quantforge_resting[name] = module._parameters.get(name)
+
+
+def _widened(stored: torch.Tensor) -> WeightSource:
+    return lambda: stored.float()
+
+
+CHUNK_ELEMENTS = 1 << 22  # weight elements widened at a time by a large Linear (16 MB of float32)
+
+
+def _gather_rows_on_entry(module: torch.nn.Module, args, kwargs):
+    """An embedding looks up a few rows: widen only those (a 150k-token table is 2 GB in float32)."""
+    ids = args[0] if args else next(iter(kwargs.values()))
+    rows, positions = torch.unique(ids, return_inverse=True)
+    module._parameters["weight"] = torch.nn.Parameter(module._quantforge_stored[rows].float(), requires_grad=False)
+    module._quantforge_padding, module.padding_idx = module.padding_idx, None  # an index into the full table
+    if args:
+        return (positions, *args[1:]), kwargs
+    return args, {next(iter(kwargs)): positions}
+
+
+def _restore_table_on_exit(module: torch.nn.Module, args, kwargs, output) -> None:
+    module._parameters["weight"] = module._quantforge_resting_table
+    module.padding_idx = module._quantforge_padding
+
+
+def _chunked_linear(module: torch.nn.Linear, stored: torch.Tensor):
+    """forward() of a large Linear (an LM head) that widens a slice of output rows at a time, writing each slice's
+    product straight into the output (no list of parts to concatenate: that would double the logits' memory)."""
+    rows = max(1, CHUNK_ELEMENTS // stored.shape[1])
+    bias = module.bias
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty((*x.shape[:-1], stored.shape[0]))
+        for start in range(0, stored.shape[0], rows):
+            part = None if bias is None else bias[start : start + rows]
+            out[..., start : start + rows] = torch.nn.functional.linear(x, stored[start : start + rows].float(), part)
+        return out
+
+    return forward
+
+
+def keep_stored(module: torch.nn.Module, name: str, stored: torch.Tensor) -> None:
+    """Hold ``stored`` (a bf16/fp16 weight) as ``module.name`` and widen it to float32 only while the module runs:
+    the rows it looks up (embeddings), a slice at a time (Linears), or whole (anything else)."""
+    if isinstance(module, torch.nn.Embedding) and name == "weight":
+        module._quantforge_stored = stored
+        module._quantforge_resting_table = module._parameters["weight"]
+        module.register_forward_pre_hook(_gather_rows_on_entry, with_kwargs=True)
+        module.register_forward_hook(_restore_table_on_exit, with_kwargs=True)
+    elif isinstance(module, torch.nn.Linear) and name == "weight" and stored.numel() > CHUNK_ELEMENTS:
+        module.forward = _chunked_linear(module, stored)
+    else:
+        attach_sources(module, {name: _widened(stored)})
+
+
+def compute_in_float32(model: torch.nn.Module) -> torch.nn.Module:
+    """Make every module compute in float32 while large weights stay in their stored (narrower) dtype."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.dtype == torch.float32 or not param.is_floating_point():
+                continue
+            if param.numel() < SMALL_PARAMETER:
+                module._parameters[name] = torch.nn.Parameter(param.detach().float(), requires_grad=False)
+            else:
+                keep_stored(module, name, param.detach())
+    return model
+
+
+def float32_buffers(model: torch.nn.Module, config, device: str | None = None) -> None:
+    """Replace computed buffers with the values a float32 model computes (a bf16 initialisation rounds them),
+    on ``device`` (default: where each buffer is)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh = dict(skeleton.named_buffers())
+    for name, buffer in list(model.named_buffers()):
+        owner_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_name) if owner_name else model
+        target = device or buffer.device
+        if name in fresh and fresh[name].device.type != "meta":
+            owner._buffers[leaf] = fresh[name].to(target)
+        elif buffer.is_floating_point():
+            owner._buffers[leaf] = buffer.float().to(target)
+        else:
+            owner._buffers[leaf] = buffer.to(target)
+
+
+def stored_dtype_model(folder: Path, *, device: str = "cpu", trust_remote_code: bool = False) -> torch.nn.Module:
+    """The checkpoint in its stored dtype, computing in float32: the same logits as loading it in float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype="auto", trust_remote_code=trust_remote_code, use_safetensors=True, device_map=device
+    )
+    float32_buffers(model, model.config)
+    model.config.dtype = torch.float32  # code that reads the config's dtype must see what the arithmetic uses
+    return compute_in_float32(model).eval()

@@ -1,0 +1,196 @@
+"""How a build's cost grows with the model: the same GGUF build on SmolLM2-135M and Qwen2.5-Coder-0.5B.
+
+For each model it prints, per stage, the predicted (``build --plan-only``) and measured seconds and peak resident
+memory (from the run's manifest), then the ratio of quantforge's GGUF path (convert + quantize + evaluate) to
+llama.cpp's own tools on the same files and threads (``convert_hf_to_gguf.py``, ``llama-quantize``,
+``llama-perplexity`` over the same number of windows of the same length, flash attention off as quantforge
+evaluates). llama-perplexity scores the second half of each window only, where quantforge scores every position and
+also compares each with the reference (KL divergence, top-1), so the ratio per scored token is printed too. Goals
+(issue 12): GGUF path <= 1.1x
+llama.cpp's tools; peak RSS <= 1.5x the bf16 weights (beyond the libraries' own footprint, measured here too);
+time growing no faster than the parameter count.
+
+    .venv/bin/python scripts/bench_scale.py [--models smollm2-135m,qwen2.5-coder-0.5b] [--windows 8] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from llamacpp_tools import tool  # noqa: E402
+
+from quantforge.resources import plan_versus_actual  # noqa: E402
+
+QUANTFORGE = [sys.executable, "-m", "quantforge.cli"]
+FORMATS = {"gguf-q8_0": "Q8_0", "gguf-q4km": "Q4_K_M"}
+LIBRARIES = "import torch, transformers, llama_cpp, numpy; import quantforge.pipeline, quantforge.evaluate"
+
+
+def libraries_rss() -> int:
+    """Resident memory of an interpreter that has loaded what a build loads, before any model."""
+    code = f"{LIBRARIES}\nimport re; print(re.search(r'VmRSS:\\s+(\\d+)', open('/proc/self/status').read()).group(1))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(done.stdout.strip().splitlines()[-1]) * 1024
+
+
+def timed(command: list[str], **kwargs) -> tuple[float, int]:
+    """Wall seconds and the child's peak RSS (bytes) of one command."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    start = time.perf_counter()
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kwargs)
+    seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return seconds, (after * 1024 if after > before else None)
+
+
+def build_args(model: str, out: Path, context: int, windows: int, threads: int) -> list[str]:
+    return [
+        "build", model, "--formats", ",".join(FORMATS), "--out", str(out), "--no-speed",
+        "--ppl-context", str(context), "--ppl-windows", str(windows), "--threads", str(threads),
+    ]  # fmt: skip
+
+
+def our_run(model: str, out: Path, context: int, windows: int, threads: int) -> dict:
+    args = build_args(model, out, context, windows, threads)
+    plan = json.loads(subprocess.run(QUANTFORGE + args + ["--plan-only", "--json"], capture_output=True,
+                                     text=True, check=True).stdout)  # fmt: skip
+    seconds, _ = timed(QUANTFORGE + args)
+    manifest = json.loads((out / "run.json").read_text())
+    return {"plan": plan, "wall_seconds": seconds, "stages": manifest["stages"], "run": manifest}
+
+
+def their_run(source: Path, text: Path, out: Path, context: int, windows: int, threads: int) -> dict:
+    """llama.cpp's own tools on the same model folder, text and windows."""
+    from quantforge.llamacpp_convert import find_converter
+
+    f16 = out / "model-f16.gguf"
+    converter = find_converter()
+    env = {**os.environ, "PYTHONPATH": str(converter / "gguf-py")}
+    convert = [sys.executable, str(converter / "convert_hf_to_gguf.py"), str(source), "--outtype", "f16",
+               "--outfile", str(f16)]  # fmt: skip
+    results = {"convert": timed(convert, env=env)}
+    for key, file_type in FORMATS.items():
+        quantized = out / f"{key}.gguf"
+        results[f"quantize/{key}"] = timed([str(tool("llama-quantize")), str(f16), str(quantized), file_type,
+                                            str(threads)])  # fmt: skip
+        results[f"evaluate/{key}"] = timed([str(tool("llama-perplexity")), "-m", str(quantized), "-f", str(text),
+                                            "-c", str(context), "-b", str(context), "--chunks", str(windows),
+                                            "-t", str(threads), "-fa", "off"])  # fmt: skip
+    return {key: {"seconds": s, "peak_rss_bytes": m} for key, (s, m) in results.items()}
+
+
+def gguf_path_ratio(ours: dict, theirs: dict, context: int) -> dict:
+    stages = ours["stages"]
+    ours_seconds = stages["intermediate/gguf-f16"]["seconds"] + sum(
+        stages[f"{stage}/{key}"]["seconds"] for key in FORMATS for stage in ("quantize", "evaluate")
+    )
+    theirs_seconds = sum(v["seconds"] for v in theirs.values())
+    ours_eval = sum(stages[f"evaluate/{key}"]["seconds"] for key in FORMATS)
+    theirs_eval = sum(theirs[f"evaluate/{key}"]["seconds"] for key in FORMATS)
+    scored_ratio = (context - 1) / (context // 2)  # positions scored per window: quantforge / llama-perplexity
+    return {"ours_seconds": round(ours_seconds, 1), "llamacpp_seconds": round(theirs_seconds, 1),
+            "ratio": round(ours_seconds / theirs_seconds, 3),
+            "evaluate_ratio": round(ours_eval / theirs_eval, 3),
+            "evaluate_ratio_per_scored_token": round(ours_eval / theirs_eval / scored_ratio, 3)}  # fmt: skip
+
+
+def evaluation_text(run: dict, out: Path) -> Path:
+    """The run's evaluation text as a file llama-perplexity reads (the same text quantforge tokenized)."""
+    from quantforge.textdata import load_text
+
+    path = out / "eval.txt"
+    path.write_text(load_text(run["plan"]["eval_settings"]["text"]).joined)
+    return path
+
+
+def print_model(name: str, model: dict) -> None:
+    print(f"\n{name}: {model['parameters'] / 1e6:.0f}M parameters, build {model['wall_seconds']:.0f} s "
+          f"(predicted {model['predicted_seconds']:.0f} s)", flush=True)  # fmt: skip
+    print(f"  {'stage':28} {'pred s':>8} {'s':>8} {'ratio':>6} {'pred GB':>8} {'GB':>6} {'ratio':>6}")
+    for row in model["stages"]:
+        gb = (row["peak_rss_bytes"] or 0) / 1e9
+        print(f"  {row['key']:28} {row['predicted_seconds']:8.1f} {row['seconds']:8.1f} {row['time_ratio']!s:>6} "
+              f"{row['predicted_peak_rss_bytes'] / 1e9:8.2f} {gb:6.2f} {row['memory_ratio']!s:>6}")  # fmt: skip
+    gguf = model["gguf_path"]
+    print(f"  peak RSS {model['peak_rss_bytes'] / 1e9:.2f} GB = {model['peak_over_bf16']}x bf16 weights; "
+          f"beyond the process before any model ({model['baseline_rss_bytes'] / 1e9:.2f} GB) "
+          f"{model['peak_beyond_baseline_over_bf16']}x (goal <= 1.5x)")  # fmt: skip
+    print(f"  GGUF path: quantforge {gguf['ours_seconds']} s, llama.cpp tools {gguf['llamacpp_seconds']} s, "
+          f"ratio {gguf['ratio']} (goal <= 1.1); evaluation alone {gguf['evaluate_ratio']}, per scored token "
+          f"{gguf['evaluate_ratio_per_scored_token']}", flush=True)  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--save", type=Path, help="also write the report as JSON to this file")
+    args = parser.parse_args()
+    base_rss = libraries_rss()
+    report = {"libraries_rss_bytes": base_rss, "models": {}}
+    if not args.json:
+        print(f"libraries' own RSS: {base_rss / 1e9:.2f} GB", flush=True)
+    for model in args.models.split(","):
+        with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
+            work = Path(tmp)
+            ours = our_run(model, work / "run", args.context, args.windows, args.threads)
+            source = Path(ours["run"]["stages"]["fetch"]["result"]["path"])
+            text = evaluation_text(ours["run"], work)
+            theirs = their_run(source, text, work, args.context, args.windows, args.threads)
+        parameters = ours["plan"]["model"]["parameters"]
+        # The build process before any model is in memory: libraries imported, tokenizer loaded.
+        baseline = ours["stages"]["tokens"]["memory"]["peak_rss_bytes"]
+        bf16 = 2 * parameters
+        peaks = [max((r.get("memory") or {}).get(k) or 0 for k in ("peak_rss_bytes", "child_peak_rss_bytes"))
+                 for r in ours["stages"].values()]  # fmt: skip
+        report["models"][model] = {
+            "parameters": parameters,
+            "wall_seconds": round(ours["wall_seconds"], 1),
+            "predicted_seconds": ours["plan"]["total"]["seconds"],
+            "peak_rss_bytes": max(peaks),
+            "peak_over_bf16": round(max(peaks) / bf16, 2),
+            "baseline_rss_bytes": baseline,
+            "peak_beyond_baseline_over_bf16": round((max(peaks) - baseline) / bf16, 2),
+            "gguf_path": gguf_path_ratio(ours, theirs, args.context),
+            "stages": plan_versus_actual(ours["plan"], ours["stages"]),
+            "llamacpp": theirs,
+        }
+        if not args.json:
+            print_model(model, report["models"][model])
+    names = list(report["models"])
+    if len(names) == 2:
+        small, large = (report["models"][n] for n in names)
+        report["growth"] = {
+            "parameters": round(large["parameters"] / small["parameters"], 2),
+            "seconds": round(large["wall_seconds"] / small["wall_seconds"], 2),
+        }
+    if args.save:
+        args.save.write_text(json.dumps(report, indent=2))
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    if "growth" in report:
+        growth = report["growth"]
+        print(
+            f"\ngrowth: parameters x{growth['parameters']}, build time x{growth['seconds']} (goal: time <= parameters)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

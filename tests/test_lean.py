@@ -1,0 +1,51 @@
+"""Memory-lean evaluation computes the very numbers a float32 model computes (see quantforge/lean.py).
+
+Every tiny architecture is stored in bf16, as Hub checkpoints are; its logits through the lean loader must equal,
+bit for bit, those of transformers loading it in float32. The hooks are forced onto every weight (no parameter is
+"small", every Linear is chunked), so each path of the lean code runs on each architecture.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import ARCHITECTURES
+
+import quantforge.lean as lean
+
+
+@pytest.fixture
+def every_weight_lean(monkeypatch):
+    monkeypatch.setattr(lean, "SMALL_PARAMETER", 0)
+    monkeypatch.setattr(lean, "CHUNK_ELEMENTS", 1 << 16)
+    import quantforge.dequant as dequant
+
+    monkeypatch.setattr(dequant, "SMALL_PARAMETER", 0)
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_stored_dtype_model_gives_float32_logits_exactly(tiny_model, kind, every_weight_lean):
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_model(kind)
+    lean_model = lean.stored_dtype_model(folder)
+    stored = {p.dtype for p in lean_model.parameters()}
+    assert stored == {torch.bfloat16}, stored  # nothing was widened for good
+    ids = torch.randint(3, 1000, (1, 80), generator=torch.Generator().manual_seed(0))
+    ours = _logits(lean_model, ids)
+    float32 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert ours.dtype == torch.float32
+    assert torch.equal(ours, _logits(float32, ids))
+
+
+def test_lean_model_holds_less_than_float32(tiny_model):
+    folder = tiny_model("qwen2")  # a 151,936-token table: the embedding dominates
+    model = lean.stored_dtype_model(folder)
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    float32 = sum(p.numel() * 4 for p in model.parameters())
+    assert held < 0.55 * float32

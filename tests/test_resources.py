@@ -1,0 +1,158 @@
+"""The resource plan (build --plan-only), the refusal of builds a host cannot hold, --device, and the manifest's
+record of every stage's measured peak memory beside its prediction."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import quantforge_cli, read_json
+
+from quantforge.errors import QuantforgeError
+from quantforge.resources import GB, LIBRARIES_RSS, HostSpeed, ModelSize, PlanInputs, make_resource_plan
+
+QWEN_7B = ModelSize(7_615_616_512, 3584, 18944, 28, 152064)
+HOST = HostSpeed(gemm_gflops=50.0, memory_available=int(24 * GB), threads=2)
+
+
+def _inputs(formats=(("gguf-q4km", "llamacpp", 4.89),), device="cpu", calibration=0) -> PlanInputs:
+    return PlanInputs(list(formats), 2048, 40, calibration, 0, 0, device)
+
+
+def _stage(plan: dict, key: str) -> dict:
+    return next(s for s in plan["stages"] if s["key"] == key)
+
+
+def test_a_7b_reference_is_planned_at_the_stored_weights_not_float32():
+    plan = make_resource_plan(QWEN_7B, _inputs(), HOST)
+    reference = _stage(plan, "reference")["peak_rss_bytes"] - LIBRARIES_RSS
+    assert 0.8 * QWEN_7B.bf16_bytes < reference <= 1.5 * QWEN_7B.bf16_bytes  # float32 would be 2x and more
+    assert plan["total"]["peak_over_bf16"] <= 1.5
+
+
+def test_plan_grows_with_formats_windows_and_model():
+    one = make_resource_plan(QWEN_7B, _inputs(), HOST)
+    two = make_resource_plan(QWEN_7B, _inputs((("gguf-q4km", "llamacpp", 4.89), ("gguf-q8_0", "llamacpp", 8.5))), HOST)
+    assert two["total"]["disk_bytes"] > one["total"]["disk_bytes"]
+    assert two["total"]["seconds"] > one["total"]["seconds"]
+    small = ModelSize(494_032_768, 896, 4864, 24, 151936, True)
+    assert make_resource_plan(small, _inputs(), HOST)["total"]["seconds"] < one["total"]["seconds"]
+    faster = HostSpeed(gemm_gflops=500.0, memory_available=HOST.memory_available, threads=2)
+    assert (
+        _stage(make_resource_plan(QWEN_7B, _inputs(), faster), "reference")["seconds"]
+        < _stage(one, "reference")["seconds"]
+    )
+
+
+def test_on_cuda_the_model_is_planned_in_gpu_memory():
+    gptq = (("gptq-int4", "gptqmodel", 4.0),)
+    cpu = make_resource_plan(QWEN_7B, _inputs(gptq, "cpu", 128 * 512), HOST)
+    cuda = make_resource_plan(QWEN_7B, _inputs(gptq, "cuda:0", 128 * 512), HOST)
+    for key in ("reference", "quantize/gptq-int4", "evaluate/gptq-int4"):
+        assert _stage(cuda, key)["vram_bytes"] > 0 and _stage(cpu, key)["vram_bytes"] == 0
+        assert _stage(cuda, key)["peak_rss_bytes"] < _stage(cpu, key)["peak_rss_bytes"]
+
+
+def test_model_size_without_a_parameter_count_is_refused():
+    with pytest.raises(QuantforgeError, match="lacks parameters"):
+        ModelSize.from_facts({"hidden_size": 8, "num_layers": 1, "vocab_size": 10})
+
+
+def test_plan_only_of_a_7b_recipe_downloads_nothing(tmp_path):
+    out = tmp_path / "run"
+    result = quantforge_cli(
+        "build", "qwen2.5-7b", "--plan-only", "--json", "--out", str(out), env={"HF_HUB_OFFLINE": "1"}
+    )
+    assert result.returncode in (0, 2), result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["model"]["parameters"] == 7_615_616_512
+    assert plan["fits"] == (result.returncode == 0)
+    keys = [s["key"] for s in plan["stages"]]
+    for fmt in ("gguf-q8_0", "gguf-q5km", "gguf-q4km"):  # the recipe's formats, each quantized and evaluated
+        assert keys.index(f"quantize/{fmt}") < keys.index(f"evaluate/{fmt}")
+    assert plan["total"]["peak_over_bf16"] <= 1.5
+    assert not out.exists()
+
+
+def test_plan_only_table_names_every_stage(tiny_llama):
+    result = quantforge_cli("build", str(tiny_llama), "--formats", "gguf-q8_0", "--plan-only")
+    assert result.returncode == 0, result.stderr
+    for key in ("reference", "intermediate/gguf-f16", "quantize/gguf-q8_0", "evaluate/gguf-q8_0", "total: about"):
+        assert key in result.stdout
+
+
+def test_a_model_too_large_for_the_host_is_refused_before_download(tmp_path):
+    recipe = tmp_path / "huge.yaml"
+    recipe.write_text(
+        "model: example-org/huge-model\nformats: [gguf-q4km]\nsize:\n  parameters: 400000000000\n"
+        "  hidden_size: 16384\n  intermediate_size: 53248\n  num_layers: 126\n  vocab_size: 128256\n"
+    )
+    out = tmp_path / "run"
+    result = quantforge_cli("build", "--recipe", str(recipe), "--out", str(out), env={"HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2
+    line = result.stderr.strip().splitlines()[-1]
+    # The stage that needs most: the reference, or its speed probe (the whole checkpoint in transformers).
+    assert line.startswith("error: not enough memory: stage ") and "reference needs about" in line
+    assert "GB is available" in line
+    assert not (out / "artifacts").exists() and not any(Path(out).glob("**/*.safetensors"))
+
+
+@pytest.mark.parametrize(
+    "device, message",
+    [("cuda", "--device cuda: torch"), ("cuda:1", "sees no CUDA device"), ("tpu", "--device must be auto, cpu")],
+)
+def test_device_that_cannot_be_had_is_one_line(tiny_llama, tmp_path, device, message):
+    out = tmp_path / "run"
+    result = quantforge_cli("build", str(tiny_llama), "--formats", "gguf-q8_0", "--device", device, "--out", str(out))
+    assert result.returncode == 2
+    assert message in result.stderr.strip().splitlines()[-1]
+    assert not out.exists()
+
+
+def test_manifest_holds_each_stages_peak_memory_beside_the_plan(tiny_run):
+    from quantforge.resources import plan_versus_actual
+
+    manifest = read_json(tiny_run / "run.json")
+    assert manifest["plan"]["device"] == "cpu"
+    predicted = {s["key"] for s in manifest["resource_plan"]["stages"]}
+    rows = plan_versus_actual(manifest["resource_plan"], manifest["stages"])
+    measured = {row["key"] for row in rows}
+    assert {"reference", "quantize/gguf-q8_0", "evaluate/gguf-q4km"} <= measured <= predicted
+    for row in rows:
+        assert row["peak_rss_bytes"] and row["peak_rss_bytes"] > 50e6  # at least the interpreter itself
+    # The reference's peak is the largest this process reached while evaluating it, so at least its weights.
+    reference = manifest["stages"]["reference"]["memory"]["peak_rss_bytes"]
+    assert reference > manifest["stages"]["tokens"]["memory"]["peak_rss_bytes"]
+
+
+def test_auto_device_is_the_cpu_on_a_machine_without_a_gpu():
+    from quantforge.device import _nvidia_driver_present, resolve_device
+
+    if _nvidia_driver_present():
+        pytest.skip("this machine has an NVIDIA driver")
+    assert resolve_device("auto") == "cpu" and resolve_device(None) == "cpu" and resolve_device("CPU") == "cpu"
+
+
+def test_speed_probe_of_hf_formats_names_vllm_when_it_is_missing(tmp_path):
+    import importlib.util
+
+    from quantforge.backends import load_backends
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    backends = load_backends()
+    assert "not measured here: vLLM not installed" in backends["llmcompressor"].probe_target(tmp_path)
+    assert backends["gptqmodel"].probe_target(tmp_path) == ("transformers", tmp_path)  # its CPU kernels
+
+
+def test_a_gpu_too_small_is_refused_with_the_numbers(tmp_path):
+    from quantforge.resources import check_plan
+
+    gpu = HostSpeed(gemm_gflops=50.0, memory_available=int(64 * GB), threads=2, gpu_memory_free=int(8 * GB))
+    plan = make_resource_plan(QWEN_7B, _inputs((("gptq-int4", "gptqmodel", 4.0),), "cuda:0", 128 * 512), gpu)
+    with pytest.raises(QuantforgeError, match=r"not enough GPU memory on cuda:0: stage .* needs about [0-9.]+ GB"):
+        check_plan(plan, tmp_path)
+    roomy = HostSpeed(gemm_gflops=50.0, memory_available=int(64 * GB), threads=2, gpu_memory_free=int(141 * GB))
+    check_plan(make_resource_plan(QWEN_7B, _inputs((("gptq-int4", "gptqmodel", 4.0),), "cuda:0", 128 * 512), roomy),
+               tmp_path)  # fmt: skip
