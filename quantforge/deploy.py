@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import QuantforgeError
-from .probe import GPUS
+from .gpus import GPUS
 
 GPU_UTILIZATION = 0.90
 RUNTIME_OVERHEAD_GB = 1.0

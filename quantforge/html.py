@@ -134,7 +134,7 @@ th{background:#f3f3f3}img{max-width:100%;margin:1em 0}code{background:#f3f3f3;pa
 
 
 def write_html(run_dir: Path, card: dict) -> None:
-    from .card import render_markdown
+    from .markdown import render_markdown
 
     plot_quality(card, run_dir / QUALITY_PNG)
     has_speed = plot_speed(card, run_dir / SPEED_PNG)

@@ -708,7 +708,7 @@ class Build:
         import subprocess
         import sys
 
-        from .probe import gpu_rooflines, roofline
+        from .gpus import gpu_rooflines, roofline
 
         settings = dict(self.plan.speed)
         path = self.run_dir / "evals" / "speed" / f"{key}.json"

@@ -9,9 +9,8 @@ median of each figure:
 - decode_tps, tpot_s: tokens per second after the first one, and its inverse (time per output token)
 - peak_rss_mb: the probe process's peak resident memory
 
-Roofline: decoding one token reads every weight once, so decode speed is bounded by memory bandwidth / bytes of
-weights. The host's bandwidth is measured (a large memory copy); GPU bounds come from a small table and are marked
-as computed, not measured.
+The host's memory bandwidth for the roofline (see gpus.py) is measured here too: a large memory copy. GPU bounds come
+from a table of published figures and are marked as computed, not measured.
 
     python -m quantforge.probe --runtime llama.cpp --path model.gguf --prompt-tokens 128 --gen-tokens 64
 """
@@ -29,16 +28,6 @@ from pathlib import Path
 
 import numpy as np
 
-# name -> (memory GB, memory bandwidth GB/s), vendors' published figures
-GPUS = {
-    "H100": (80, 3350),
-    "H200": (141, 4800),
-    "A100": (80, 2039),
-    "L40S": (48, 864),
-    "RTX 4090": (24, 1008),
-    "RTX 3090": (24, 936),
-}
-
 
 def measure_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
     """Host memory bandwidth in GB/s: the best of several large array copies (bytes read + bytes written)."""
@@ -50,24 +39,6 @@ def measure_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
         np.copyto(target, source)
         best = min(best, time.perf_counter() - started)
     return 2 * source.nbytes / best / 1e9
-
-
-def roofline(weight_bytes: int, bandwidth_gbs: float) -> float:
-    """Upper bound on decode tokens/s when every weight is read once per token."""
-    return bandwidth_gbs * 1e9 / weight_bytes
-
-
-def gpu_rooflines(weight_bytes: int) -> dict:
-    return {
-        name: {
-            "memory_gb": memory,
-            "bandwidth_gbs": bandwidth,
-            "decode_tps_bound": roofline(weight_bytes, bandwidth),
-            "fits": weight_bytes < memory * 1e9,
-            "computed": True,
-        }
-        for name, (memory, bandwidth) in GPUS.items()
-    }
 
 
 def _median_report(runs: list[dict]) -> dict:
