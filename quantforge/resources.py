@@ -107,18 +107,22 @@ class HostSpeed:
 
 
 def measure_gemm_gflops(threads: int, size: int = 768, seconds: float = 0.3) -> float:
-    """float32 matrix-multiply rate of this host (numpy's BLAS), the median of repeated multiplies: what the
-    machine gives now, load included (a busy host is predicted slower, as it will be)."""
+    """float32 matrix-multiply rate of this host for ``threads`` threads: one thread's rate (numpy's BLAS, median of
+    repeated multiplies) times the threads. Measured on one thread because a multi-threaded multiply collapses when
+    another process holds a core (measured: 2 threads fell from about 300 to 26 GFLOP/s on a busy 2-core machine,
+    one thread from about 180 to 106), while the build's own long stages degrade far less."""
     import numpy as np
+    from threadpoolctl import threadpool_limits
 
     a = np.random.default_rng(0).standard_normal((size, size), dtype=np.float32)
     times = []
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline or len(times) < 3:
-        start = time.perf_counter()
-        a @ a
-        times.append(time.perf_counter() - start)
-    return 2 * size**3 / float(np.median(times)) / 1e9
+    with threadpool_limits(limits=1):
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline or len(times) < 3:
+            start = time.perf_counter()
+            a @ a
+            times.append(time.perf_counter() - start)
+    return 2 * size**3 / float(np.median(times)) / 1e9 * max(1, threads)
 
 
 def available_memory_bytes() -> int | None:
