@@ -122,9 +122,20 @@ def read_tensors(folder: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
     return tensors
 
 
-def weight_sources(folder: Path, device: str = "cpu") -> tuple[dict, dict[str, WeightSource]]:
-    """The artifact's config (without quantization_config) and, per tensor name, what gives its float32 value:
-    quantized weights stay packed and are dequantized when called; other tensors stay in their stored dtype."""
+# A tensor as stored (bf16/fp16 embeddings, norms, biases), or what makes its float32 value when called (a
+# quantized weight, dequantized from its packed tensors; a fused weight, from its parts).
+Weight = torch.Tensor | WeightSource
+
+
+def _float(weight: Weight) -> torch.Tensor:
+    if callable(weight):
+        return weight()
+    return weight.float() if weight.is_floating_point() else weight
+
+
+def weight_sources(folder: Path, device: str = "cpu") -> tuple[dict, dict[str, Weight]]:
+    """The artifact's config (without quantization_config) and every tensor by name: quantized weights as what
+    dequantizes them when called, the others as stored."""
     config = json.loads((folder / "config.json").read_text())
     quant = config.pop("quantization_config", None)
     if quant is None:
@@ -135,7 +146,7 @@ def weight_sources(folder: Path, device: str = "cpu") -> tuple[dict, dict[str, W
     marker, dequantize = DEQUANTIZERS[method]
     tensors = read_tensors(folder, device)
     prefixes = sorted({name[: -len(marker) - 1] for name in tensors if name.endswith("." + marker)})
-    sources: dict[str, WeightSource] = {}
+    sources: dict[str, Weight] = {}
     for prefix in prefixes:
         sources[f"{prefix}.weight"] = functools.partial(dequantize, tensors, prefix, quant)
     quantized = set(prefixes)
@@ -143,18 +154,14 @@ def weight_sources(folder: Path, device: str = "cpu") -> tuple[dict, dict[str, W
         owner, _, leaf = name.rpartition(".")
         if owner in quantized and leaf != "bias":
             continue
-        sources[name] = functools.partial(_as_float, tensor)
+        sources[name] = tensor
     return {**config, "_quantization_config": quant, "_quantized_modules": prefixes}, sources
-
-
-def _as_float(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.float() if tensor.is_floating_point() else tensor
 
 
 def dequantized_state_dict(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """The artifact's config (without quantization_config) and a float32 state dict of every tensor."""
     config, sources = weight_sources(folder)
-    return config, {name: make() for name, make in sources.items()}
+    return config, {name: _float(weight) for name, weight in sources.items()}
 
 
 def quantize_activations_per_token(module: torch.nn.Module, args):
@@ -178,15 +185,15 @@ EXPERT_PARTS = {
 }
 
 
-def _stack_experts(per_expert: list[list[WeightSource]]) -> torch.Tensor:
-    return torch.stack([torch.cat([make() for make in parts], dim=0) for parts in per_expert])
+def _stack_experts(per_expert: list[list[Weight]]) -> torch.Tensor:
+    return torch.stack([_concatenate(parts) for parts in per_expert])
 
 
-def _concatenate(parts: list[WeightSource]) -> torch.Tensor:
-    return torch.cat([make() for make in parts], dim=0)
+def _concatenate(parts: list[Weight]) -> torch.Tensor:
+    return torch.cat([_float(part) for part in parts], dim=0)
 
 
-def _fuse_experts(sources: dict[str, WeightSource], name: str) -> bool:
+def _fuse_experts(sources: dict[str, Weight], name: str) -> bool:
     experts, _, fused = name.rpartition(".")
     for parts in EXPERT_PARTS.get(fused, ()):
         count = 0
@@ -199,7 +206,7 @@ def _fuse_experts(sources: dict[str, WeightSource], name: str) -> bool:
     return False
 
 
-def fuse_split_projections(sources: dict[str, WeightSource], expected: set[str]) -> None:
+def fuse_split_projections(sources: dict[str, Weight], expected: set[str]) -> None:
     """Concatenate saved parts (in the model's own output order) into the fused weight the architecture expects."""
     for name in sorted(expected - set(sources)):
         if _fuse_experts(sources, name):
@@ -211,7 +218,7 @@ def fuse_split_projections(sources: dict[str, WeightSource], expected: set[str])
             sources[name] = functools.partial(_concatenate, [sources.pop(part) for part in parts])
 
 
-def _tie_sources(model: torch.nn.Module, sources: dict[str, WeightSource]) -> None:
+def _tie_sources(model: torch.nn.Module, sources: dict[str, Weight]) -> None:
     """A tied output embedding reads the input embedding's weight (checkpoints store it once)."""
     names = {module: name for name, module in model.named_modules()}
     inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
@@ -222,21 +229,18 @@ def _tie_sources(model: torch.nn.Module, sources: dict[str, WeightSource]) -> No
         sources.setdefault(f"{names[outputs]}.weight", source)
 
 
-def _place(model: torch.nn.Module, name: str, make: WeightSource) -> None:
+def _place(model: torch.nn.Module, name: str, weight: Weight) -> None:
     """Large weights stay packed (or stored) until their module runs; small ones are made float32 now."""
     owner_name, _, leaf = name.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
     if leaf in owner._buffers:
-        owner._buffers[leaf] = make()
-        return
-    resting = owner._parameters[leaf]
-    stored = make.args[0] if isinstance(make, functools.partial) and make.func is _as_float else None
-    if resting.numel() < SMALL_PARAMETER or (stored is not None and stored.dtype == torch.float32):
-        owner._parameters[leaf] = torch.nn.Parameter(make(), requires_grad=False)
-    elif stored is not None:
-        keep_stored(owner, leaf, stored)  # an unquantized bf16/fp16 tensor: embeddings, the LM head
+        owner._buffers[leaf] = _float(weight)
+    elif owner._parameters[leaf].numel() < SMALL_PARAMETER or getattr(weight, "dtype", None) == torch.float32:
+        owner._parameters[leaf] = torch.nn.Parameter(_float(weight), requires_grad=False)
+    elif callable(weight):
+        attach_sources(owner, {leaf: weight})
     else:
-        attach_sources(owner, {leaf: make})
+        keep_stored(owner, leaf, weight)  # an unquantized bf16/fp16 tensor: embeddings, the LM head
 
 
 def float_model_from_artifact(folder: Path, *, device: str = "cpu", trust_remote_code: bool = False) -> torch.nn.Module:
@@ -246,7 +250,7 @@ def float_model_from_artifact(folder: Path, *, device: str = "cpu", trust_remote
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .lean import float32_buffers
+    from .lean import buffers_to
 
     config_dict, sources = weight_sources(folder, device)
     quant = config_dict.pop("_quantization_config")
@@ -254,7 +258,7 @@ def float_model_from_artifact(folder: Path, *, device: str = "cpu", trust_remote
     config = AutoConfig.for_model(**{k: v for k, v in config_dict.items() if not k.startswith("_")})
     with init_empty_weights(include_buffers=False):  # parameters on meta: each is placed below
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
-    float32_buffers(model, config, device)
+    buffers_to(model, device)  # built in float32 already: its computed buffers are a float32 model's
     expected = set(model.state_dict())
     fuse_split_projections(sources, expected)
     if config.tie_word_embeddings:
@@ -264,8 +268,8 @@ def float_model_from_artifact(folder: Path, *, device: str = "cpu", trust_remote
         raise QuantforgeError(
             f"{folder} does not match its architecture: missing {missing[:3]}, unexpected {unexpected[:3]}"
         )
-    for name, make in sources.items():
-        _place(model, name, make)
+    for name, weight in sources.items():
+        _place(model, name, weight)
     activations = _activation_scheme(quant) if quant.get("quant_method") == "compressed-tensors" else None
     model.quantforge_unsimulated = 0  # quantized Linears whose runtime activation quantization is not simulated
     if activations and activations.get("dynamic") and activations.get("num_bits") == 8:

@@ -110,9 +110,16 @@ def compute_in_float32(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def float32_buffers(model: torch.nn.Module, config, device: str | None = None) -> None:
-    """Replace computed buffers with the values a float32 model computes (a bf16 initialisation rounds them),
-    on ``device`` (default: where each buffer is)."""
+def buffers_to(model: torch.nn.Module, device: str) -> None:
+    """Move every buffer to ``device`` (a model whose parameters rest on meta cannot be moved with ``.to``)."""
+    for module in model.modules():
+        for leaf, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[leaf] = buffer.to(device)
+
+
+def float32_buffers(model: torch.nn.Module, config) -> None:
+    """Replace computed buffers with the values a float32 model computes (a bf16 initialisation rounds them)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
@@ -122,13 +129,10 @@ def float32_buffers(model: torch.nn.Module, config, device: str | None = None) -
     for name, buffer in list(model.named_buffers()):
         owner_name, _, leaf = name.rpartition(".")
         owner = model.get_submodule(owner_name) if owner_name else model
-        target = device or buffer.device
         if name in fresh and fresh[name].device.type != "meta":
-            owner._buffers[leaf] = fresh[name].to(target)
+            owner._buffers[leaf] = fresh[name].to(buffer.device)
         elif buffer.is_floating_point():
-            owner._buffers[leaf] = buffer.float().to(target)
-        else:
-            owner._buffers[leaf] = buffer.to(target)
+            owner._buffers[leaf] = buffer.float()
 
 
 def stored_dtype_model(folder: Path, *, device: str = "cpu", trust_remote_code: bool = False) -> torch.nn.Module:

@@ -63,7 +63,6 @@ class BuildRequest:
     allow_pickle: bool = False
     trust_remote_code: bool = False
     device: str | None = None  # auto, cpu, cuda, cuda:N (see device.py)
-    plan_only: bool = False
     command: str = "quantforge build"
 
 
@@ -275,6 +274,7 @@ class Build:
         self.source: SourceModel | None = None
         self._forced: set[str] = set()
         self.failures: dict[str, dict] = {}  # format key -> what failed (see failures.describe_failure)
+        self._host_speed = None  # resources.HostSpeed, measured once per build
 
     # -- stage plumbing ---------------------------------------------------------------------------------------
 
@@ -358,7 +358,7 @@ class Build:
     def precheck_hub_download(self) -> None:
         """Before downloading a Hub model: refuse, with the numbers, one this host cannot build, when its size can
         be had without the weights (a recipe's size: block, or the Hub's safetensors metadata)."""
-        from .resources import ModelSize, check_plan, make_resource_plan, measure_host
+        from .resources import check_plan
         from .source import model_size_without_weights
 
         if self.plan.spec.kind != "hub":
@@ -367,22 +367,23 @@ class Build:
             facts = model_size_without_weights(self.plan.spec, self.plan.recipe)
         except QuantforgeError:
             return  # no size before the download: the check after it still runs before any work
-        resource_plan = make_resource_plan(
-            ModelSize.from_facts(facts), plan_inputs(self.plan), measure_host(1, self.plan.device)
-        )
-        check_plan(resource_plan, self.run_dir, done=set(self.manifest.stages))
+        check_plan(resource_plan(self.plan, facts, self.host_speed()), self.run_dir, done=set(self.manifest.stages))
+
+    def host_speed(self):
+        from .resources import measure_host
+
+        if self._host_speed is None:
+            self._host_speed = measure_host(self.plan.threads, self.plan.device)
+        return self._host_speed
 
     def plan_resources(self) -> None:
         """Predict every stage's memory, disk and time on this host; refuse now, with the numbers, what cannot fit;
         keep the prediction in the manifest beside each stage's measured peak and seconds."""
-        from .resources import ModelSize, check_plan, make_resource_plan, measure_host
+        from .resources import check_plan
 
         facts = {**self.source.config, "parameters": self.parameters}
-        resource_plan = make_resource_plan(
-            ModelSize.from_facts(facts), plan_inputs(self.plan), measure_host(self.plan.threads, self.plan.device)
-        )
-        check_plan(resource_plan, self.run_dir, done=set(self.manifest.stages))
-        self.resource_plan = resource_plan
+        self.resource_plan = resource_plan(self.plan, facts, self.host_speed())
+        check_plan(self.resource_plan, self.run_dir, done=set(self.manifest.stages))
 
     def check_same_model(self) -> None:
         """Refuse to mix two models' stages in one run directory."""
@@ -889,40 +890,38 @@ class Build:
         return self.card() if unit == "card" else {"unit": unit, "key": key}
 
 
-def plan_inputs(plan: Plan):
-    """What the resource plan (resources.PlanInputs) needs of a build plan."""
-    from .resources import GGUF_BITS, PlanInputs
+def resource_plan(plan: Plan, facts: dict, host) -> dict:
+    """The resource plan (see resources.py) of this build for a model of the given size facts on ``host``."""
+    from .resources import ModelSize, PlanInputs, make_resource_plan
 
-    formats = [(c.key, c.backend.name, GGUF_BITS.get(c.format.name, c.format.nominal_bits)) for c in plan.choices]
-    calibrates = plan.needs_calibration
-    return PlanInputs(
-        formats=formats,
+    inputs = PlanInputs(
+        formats=[(c.key, c.backend.name, c.format.nominal_bits) for c in plan.choices],
         context=plan.eval.context,
         windows=plan.eval.windows,
-        calibration_tokens=plan.calibration.samples * plan.calibration.seqlen if calibrates else 0,
+        calibration_tokens=plan.calibration.samples * plan.calibration.seqlen if plan.needs_calibration else 0,
         speed_tokens=(plan.speed["prompt_tokens"] + plan.speed["gen_tokens"]) * plan.speed["runs"] if plan.speed else 0,
-        task_count=len(plan.tasks["names"]),
+        tasks=list(plan.tasks["names"]),
         device=plan.device,
     )
+    return make_resource_plan(ModelSize.from_facts(facts), inputs, host)
 
 
 def resource_plan_only(request: BuildRequest) -> dict:
     """``build --plan-only``: the resource plan without fetching weights (size from the recipe, the local folder,
     or the Hub's metadata), checked against this host."""
-    from .resources import ModelSize, check_plan, make_resource_plan, measure_host
+    from .resources import check_plan, measure_host
     from .source import model_size_without_weights
 
     plan = make_plan(request)
     facts = model_size_without_weights(plan.spec, plan.recipe)
-    host = measure_host(plan.threads, plan.device)
-    resource_plan = make_resource_plan(ModelSize.from_facts(facts), plan_inputs(plan), host)
-    resource_plan["model"]["name"] = plan.spec.name
+    planned = resource_plan(plan, facts, measure_host(plan.threads, plan.device))
+    planned["model"]["name"] = plan.spec.name
     try:
-        check_plan(resource_plan, plan.run_dir)
-        resource_plan["fits"], resource_plan["refusal"] = True, None
+        check_plan(planned, plan.run_dir)
+        planned["fits"], planned["refusal"] = True, None
     except QuantforgeError as exc:
-        resource_plan["fits"], resource_plan["refusal"] = False, str(exc)
-    return resource_plan
+        planned["fits"], planned["refusal"] = False, str(exc)
+    return planned
 
 
 def build(request: BuildRequest, ui: UI | None = None) -> dict:

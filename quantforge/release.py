@@ -179,16 +179,15 @@ def _unit_memory(resource_plan: dict | None, kind: str, key: str | None) -> int 
 
 def _resource_plan(plan) -> dict | None:
     """The model's resource plan when its size is known without downloading it (see resources.py)."""
-    from .pipeline import plan_inputs
-    from .resources import HostSpeed, ModelSize, make_resource_plan
+    from .pipeline import resource_plan
+    from .resources import HostSpeed
     from .source import model_size_without_weights
 
     try:
         facts = model_size_without_weights(plan.spec, plan.recipe)
     except QuantforgeError:
         return None
-    host = HostSpeed(gemm_gflops=1.0, memory_available=None, threads=plan.threads)  # memory only: no timing
-    return make_resource_plan(ModelSize.from_facts(facts), plan_inputs(plan), host)
+    return resource_plan(plan, facts, HostSpeed(gemm_gflops=1.0, memory_available=None, threads=plan.threads))
 
 
 def plan_release(release: Release) -> tuple[list[Unit], dict]:

@@ -56,7 +56,6 @@ CONVERT_SECONDS_PER_GB = 10.8  # llama.cpp's converter: reads the checkpoint, wr
 GGUF_QUANTIZE_PARAMETERS_PER_SECOND = 43e6  # llama_model_quantize from F16, per thread (fitted, as above)
 NARROW_WIDTH = 1024  # hidden size below which llama.cpp's evaluation slows in proportion (fitted, as above)
 LLAMA_UBATCH = 512  # llama.cpp's compute buffer holds this many positions' logits besides its output buffer
-GGUF_BITS = {"gguf-f16": 16.0, "gguf-q8_0": 8.5, "gguf-q5km": 5.69, "gguf-q4km": 4.89}
 
 
 @dataclass(frozen=True)
@@ -171,8 +170,13 @@ class PlanInputs:
     windows: int
     calibration_tokens: int  # samples x seqlen when a format calibrates, else 0
     speed_tokens: int  # prompt + generated tokens per probe run, 0 when the probe is off
-    task_count: int
+    tasks: list  # lm-eval task names
     device: str = "cpu"
+
+
+def process_base_bytes(size: ModelSize) -> int:
+    """The build process before any model: libraries and the tokenizer."""
+    return int(LIBRARIES_RSS + TOKENIZER_BYTES_PER_TOKEN * size.vocab_size)
 
 
 def _logits_bytes(size: ModelSize, positions: int) -> int:
@@ -200,7 +204,7 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> list[St
     """Every stage of the build in run order, with its predicted seconds, peak resident memory and disk."""
     flop_seconds = 2 * size.parameters / (host.gemm_gflops * 1e9)  # one token through the model at GEMM speed
     eval_tokens = inputs.context * inputs.windows
-    base = int(LIBRARIES_RSS + TOKENIZER_BYTES_PER_TOKEN * size.vocab_size)
+    base = process_base_bytes(size)
     widened = min(size.hidden_size * size.intermediate_size * 4, 64 << 20)  # one module (or LM-head slice) widened
     on_gpu = inputs.device.startswith("cuda")
     stages = [
@@ -217,8 +221,8 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> list[St
 
     reference_weights = _resident_weights(size)
     stages.append(torch_stage("reference", "reference", eval_tokens, reference_weights, "reference"))
-    for index in range(inputs.task_count):
-        stages.append(torch_stage(f"tasks/reference/{index}", "tasks", 0, reference_weights, "evaluate"))
+    for task in inputs.tasks:
+        stages.append(torch_stage(f"tasks/reference/{task}", "tasks", 0, reference_weights, "evaluate"))
     if inputs.calibration_tokens:
         stages.append(StagePlan("calibration", FIXED_SECONDS["calibration"], base))
     stages.append(StagePlan("host", FIXED_SECONDS["host"], base))
@@ -259,8 +263,8 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> list[St
             stages.append(
                 torch_stage(f"evaluate/{key}", "evaluate/torch", eval_tokens, artifact + unquantized, "evaluate")
             )
-        for index in range(inputs.task_count):
-            stages.append(torch_stage(f"tasks/{key}/{index}", "tasks", 0, artifact, "evaluate"))
+        for task in inputs.tasks:
+            stages.append(torch_stage(f"tasks/{key}/{task}", "tasks", 0, artifact, "evaluate"))
     if inputs.speed_tokens:
         for key in ["reference", *bits_of]:
             seconds = FIXED_SECONDS["speed"] + 3 * flop_seconds * inputs.speed_tokens
@@ -282,9 +286,7 @@ def summarize(stages: list[StagePlan], size: ModelSize) -> dict:
         "bf16_weights_bytes": size.bf16_bytes,
         "peak_over_bf16": round(peak.peak_rss_bytes / size.bf16_bytes, 3),
         # What the model itself costs: the peak less the build process's footprint before any model.
-        "peak_beyond_libraries_over_bf16": round(
-            (peak.peak_rss_bytes - LIBRARIES_RSS - TOKENIZER_BYTES_PER_TOKEN * size.vocab_size) / size.bf16_bytes, 3
-        ),
+        "peak_beyond_libraries_over_bf16": round((peak.peak_rss_bytes - process_base_bytes(size)) / size.bf16_bytes, 3),
     }
 
 

@@ -115,12 +115,21 @@ def model_facts(folder: Path, *, allow_pickle: bool = False) -> dict:
                 f"{folder} has only pickle weights ({pickles[0]}), which can run code when loaded; "
                 "convert them to safetensors or pass --allow-pickle if you trust the source"
             )
+    return {
+        "architecture": architectures[0],
+        "model_type": config.get("model_type"),
+        **config_facts(config),
+        "quantized": "quantization_config" in config,
+        "weight_files": weights,
+    }
+
+
+def config_facts(config: dict) -> dict:
+    """Widths, depth, vocabulary and dtype of a config.json (its text model's, for multimodal configs)."""
     text = config.get("text_config") or config
     heads = text.get("num_attention_heads")
     hidden = text.get("hidden_size")
     return {
-        "architecture": architectures[0],
-        "model_type": config.get("model_type"),
         "hidden_size": hidden,
         "intermediate_size": text.get("intermediate_size"),
         "num_layers": text.get("num_hidden_layers"),
@@ -131,8 +140,6 @@ def model_facts(folder: Path, *, allow_pickle: bool = False) -> dict:
         "max_position_embeddings": text.get("max_position_embeddings"),
         "tie_word_embeddings": bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
         "dtype": config.get("dtype") or config.get("torch_dtype"),
-        "quantized": "quantization_config" in config,
-        "weight_files": weights,
     }
 
 
@@ -568,6 +575,9 @@ def model_size_without_weights(spec: ModelSpec, recipe=None) -> dict:
         raise QuantforgeError(f"cannot plan a model of kind {spec.kind}")
     from huggingface_hub import get_safetensors_metadata, hf_hub_download
 
+    from .hub import hub_offline
+
+    hub_offline()  # no Hub in reach: fail at once (or read a cached config) instead of retrying for ~25 s
     try:
         config = json.loads(Path(hf_hub_download(spec.target, "config.json", revision=spec.revision)).read_text())
         metadata = get_safetensors_metadata(spec.target, revision=spec.revision)
@@ -576,13 +586,4 @@ def model_size_without_weights(spec: ModelSpec, recipe=None) -> dict:
             f"cannot plan {spec.target} without its size: the Hub's metadata could not be read "
             f"({_first_line(exc)}); use a recipe with a size: block, or a local folder"
         ) from None
-    text = config.get("text_config") or config
-    return {
-        "parameters": sum(metadata.parameter_count.values()),
-        "hidden_size": text.get("hidden_size"),
-        "intermediate_size": text.get("intermediate_size"),
-        "num_layers": text.get("num_hidden_layers"),
-        "vocab_size": text.get("vocab_size"),
-        "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
-        "dtype": config.get("dtype") or config.get("torch_dtype") or "bfloat16",
-    }
+    return {**config_facts(config), "parameters": sum(metadata.parameter_count.values())}

@@ -5,10 +5,9 @@ memory (from the run's manifest), then the ratio of quantforge's GGUF path (conv
 llama.cpp's own tools on the same files and threads (``convert_hf_to_gguf.py``, ``llama-quantize``,
 ``llama-perplexity`` over the same number of windows of the same length, flash attention off as quantforge
 evaluates). llama-perplexity scores the second half of each window only, where quantforge scores every position and
-also compares each with the reference (KL divergence, top-1), so the ratio per scored token is printed too. Goals
-(issue 12): GGUF path <= 1.1x
-llama.cpp's tools; peak RSS <= 1.5x the bf16 weights (beyond the libraries' own footprint, measured here too);
-time growing no faster than the parameter count.
+also compares each with the reference (KL divergence, top-1), so the ratio per scored token is printed too.
+Goals (issue 12): GGUF path <= 1.1x llama.cpp's tools; peak RSS <= 1.5x the bf16 weights (also printed beyond the
+build process's footprint before any model, its `tokens` stage); time growing no faster than the parameter count.
 
     .venv/bin/python scripts/bench_scale.py [--models smollm2-135m,qwen2.5-coder-0.5b] [--windows 8] [--json]
 """
@@ -35,14 +34,6 @@ from quantforge.resources import plan_versus_actual  # noqa: E402
 
 QUANTFORGE = [sys.executable, "-m", "quantforge.cli"]
 FORMATS = {"gguf-q8_0": "Q8_0", "gguf-q4km": "Q4_K_M"}
-LIBRARIES = "import torch, transformers, llama_cpp, numpy; import quantforge.pipeline, quantforge.evaluate"
-
-
-def libraries_rss() -> int:
-    """Resident memory of an interpreter that has loaded what a build loads, before any model."""
-    code = f"{LIBRARIES}\nimport re; print(re.search(r'VmRSS:\\s+(\\d+)', open('/proc/self/status').read()).group(1))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return int(done.stdout.strip().splitlines()[-1]) * 1024
 
 
 def timed(command: list[str], **kwargs) -> tuple[float, int]:
@@ -141,10 +132,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--save", type=Path, help="also write the report as JSON to this file")
     args = parser.parse_args()
-    base_rss = libraries_rss()
-    report = {"libraries_rss_bytes": base_rss, "models": {}}
-    if not args.json:
-        print(f"libraries' own RSS: {base_rss / 1e9:.2f} GB", flush=True)
+    report = {"models": {}}
     for model in args.models.split(","):
         with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
             work = Path(tmp)
@@ -156,18 +144,18 @@ def main() -> int:
         # The build process before any model is in memory: libraries imported, tokenizer loaded.
         baseline = ours["stages"]["tokens"]["memory"]["peak_rss_bytes"]
         bf16 = 2 * parameters
-        peaks = [max((r.get("memory") or {}).get(k) or 0 for k in ("peak_rss_bytes", "child_peak_rss_bytes"))
-                 for r in ours["stages"].values()]  # fmt: skip
+        stages = plan_versus_actual(ours["plan"], ours["stages"])
+        peak = max(row["peak_rss_bytes"] or 0 for row in stages)  # each stage's own or its child's, whichever is larger
         report["models"][model] = {
             "parameters": parameters,
             "wall_seconds": round(ours["wall_seconds"], 1),
             "predicted_seconds": ours["plan"]["total"]["seconds"],
-            "peak_rss_bytes": max(peaks),
-            "peak_over_bf16": round(max(peaks) / bf16, 2),
+            "peak_rss_bytes": peak,
+            "peak_over_bf16": round(peak / bf16, 2),
             "baseline_rss_bytes": baseline,
-            "peak_beyond_baseline_over_bf16": round((max(peaks) - baseline) / bf16, 2),
+            "peak_beyond_baseline_over_bf16": round((peak - baseline) / bf16, 2),
             "gguf_path": gguf_path_ratio(ours, theirs, args.context),
-            "stages": plan_versus_actual(ours["plan"], ours["stages"]),
+            "stages": stages,
             "llamacpp": theirs,
         }
         if not args.json:

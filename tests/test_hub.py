@@ -9,7 +9,9 @@ from hub_server import FakeHub
 
 @pytest.fixture
 def hub_env(tmp_path):
-    return {"HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_DISABLE_XET": "1"}
+    # HF_HUB_CACHE too: GPTQModel's tokenicer sets it in this test process when an earlier test imported it.
+    home = tmp_path / "hf-home"
+    return {"HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"), "HF_HUB_DISABLE_XET": "1"}
 
 
 def test_build_from_the_hub_then_offline_from_the_cache(tiny_llama, tmp_path, hub_env):

@@ -17,7 +17,7 @@ HOST = HostSpeed(gemm_gflops=50.0, memory_available=int(24 * GB), threads=2)
 
 
 def _inputs(formats=(("gguf-q4km", "llamacpp", 4.89),), device="cpu", calibration=0) -> PlanInputs:
-    return PlanInputs(list(formats), 2048, 40, calibration, 0, 0, device)
+    return PlanInputs(list(formats), 2048, 40, calibration, 0, [], device)
 
 
 def _stage(plan: dict, key: str) -> dict:

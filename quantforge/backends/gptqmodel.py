@@ -12,6 +12,7 @@ artifacts reproducible.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -25,6 +26,26 @@ FORMATS = {
     "awq": Format("awq", "hf", "AWQ W4A16 GEMM", VLLM_RUNTIMES, 4.25, "AWQ 4-bit GEMM (vLLM, transformers)"),
 }
 BITS = {"gptq-int4": 4, "gptq-int8": 8, "awq": 4}
+
+
+# GPTQModel 7.6 imports tokenicer, which on import sets HF_HOME, HF_HUB_CACHE, TRANSFORMERS_CACHE and
+# HF_MODULES_CACHE to /tmp/tokenicer_hf_home when they are unset: every later download of the process, and every
+# child process (the converter, the speed probe), would then use that cache instead of the user's.
+HF_CACHE_VARIABLES = ("HF_HOME", "HF_HUB_CACHE", "TRANSFORMERS_CACHE", "HF_MODULES_CACHE")
+
+
+@contextlib.contextmanager
+def hf_cache_settings_kept():
+    """Put the Hugging Face cache variables back as they were once the block (an import) is done."""
+    saved = {name: os.environ.get(name) for name in HF_CACHE_VARIABLES}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _drop_local_paths(folder: Path) -> None:
@@ -75,7 +96,9 @@ class GPTQModelBackend(HFFolderBackend):
     def quantize(self, job: QuantizeJob) -> dict:
         os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(2, job.threads)))
         import torch
-        from gptqmodel import BACKEND, GPTQModel, QuantizeConfig
+
+        with hf_cache_settings_kept():
+            from gptqmodel import BACKEND, GPTQModel, QuantizeConfig
 
         set_threads(job.threads)
         group_size, note = self.group_size(job.source, job.format, job.settings)
