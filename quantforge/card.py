@@ -238,8 +238,8 @@ def same_format_comparisons(card: dict) -> list[dict]:
 
 
 def write_card(run_dir: Path, targets: Targets) -> dict:
-    from .deploy import write_deployment_files
     from .html import write_html
+    from .modelcard import write_deployment_files
 
     card = build_card(run_dir, targets)
     atomic_write_text(run_dir / "card.md", render_markdown(card))

@@ -74,6 +74,54 @@ def target_overrides(**values) -> dict:
     return {key: value for key, value in values.items() if value is not None}
 
 
+PUSH_OPTIONS = [
+    click.option("--private", is_flag=True, help="Create the Hub repos as private."),
+    click.option(
+        "--gguf-repos",
+        type=click.Choice(["one", "per-format"]),
+        default="one",
+        show_default=True,
+        help="GGUF files in one ORG/NAME-GGUF repo, or a repo per format.",
+    ),
+    click.option("--split-size", help="Split GGUF files larger than this (e.g. 40GB) in llama.cpp's split format."),
+]
+
+
+def push_options(function):
+    for option in reversed(PUSH_OPTIONS):
+        function = option(function)
+    return function
+
+
+def _check_push(repo: str | None, split_size: str | None) -> int | None:
+    """Refuse a bad repo name, a missing token or a bad size before any work; returns the split size in bytes."""
+    from .publish import check_repo_name, check_token, parse_size
+
+    split_bytes = parse_size(split_size) if split_size else None
+    if repo:
+        check_repo_name(repo)
+        check_token()
+    return split_bytes
+
+
+def _push(run_dir: Path, repo: str, private: bool, gguf_repos: str, split_bytes: int | None, as_json: bool) -> dict:
+    from .publish import push_run
+
+    report = push_run(
+        run_dir,
+        repo,
+        private=private,
+        gguf_layout=gguf_repos,
+        split_bytes=split_bytes,
+        log=lambda line: click.echo(line, err=True),
+    )
+    if not as_json:
+        for pushed in report.values():
+            state = "unchanged" if pushed["skipped"] else f"commit {pushed['commit'][:12]}"
+            click.echo(f"pushed: {pushed['url']} ({', '.join(pushed['formats'])}; {state})")
+    return report
+
+
 class QuantforgeGroup(click.Group):
     """Turns QuantforgeError into one line on stderr and exit code 2."""
 
@@ -107,6 +155,7 @@ def main() -> None:
 
 @main.command()
 @click.argument("model", required=False)
+@click.option("--revision", help="Hub branch, tag or commit of the model (default: the recipe's, or main).")
 @click.option(
     "--formats",
     help="Comma-separated formats (see 'quantforge formats'). Default: the recipe's, or gguf-q8_0,gguf-q5km,gguf-q4km.",
@@ -168,9 +217,17 @@ def main() -> None:
     is_flag=True,
     help="Print each stage's predicted memory, disk and time on this host, and stop (no weights downloaded).",
 )
+@click.option(
+    "--push-to-hub",
+    "push_to_hub",
+    metavar="ORG/NAME",
+    help="After the build, upload every finished artifact with its model card (ORG/NAME-GPTQ-Int4, ORG/NAME-GGUF).",
+)
+@push_options
 @click.option("--json", "as_json", is_flag=True, help="Print the card as JSON on stdout.")
 def build(
     model,
+    revision,
     formats,
     backends,
     out,
@@ -196,6 +253,10 @@ def build(
     trust_remote_code,
     device,
     plan_only,
+    push_to_hub,
+    private,
+    gguf_repos,
+    split_size,
     as_json,
     **targets,
 ):
@@ -206,6 +267,7 @@ def build(
 
     request = BuildRequest(
         model=model,
+        revision=revision,
         formats=_split(formats),
         backends=_split(backends),
         out=out,
@@ -236,9 +298,12 @@ def build(
     if plan_only:
         _print_resource_plan(request, as_json)
         return
+    split_bytes = _check_push(push_to_hub, split_size)
     ui = UI()
     card = run_build(request, ui)
     _print_card(card, as_json, ui)
+    if push_to_hub:
+        _push(Path(card["provenance"]["run_dir"]), push_to_hub, private, gguf_repos, split_bytes, as_json)
     _exit_if_failed(card)
 
 
@@ -364,6 +429,40 @@ def formats(as_json):
 
 
 @main.command()
+@click.argument("run_dir", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--to", "repo", required=True, metavar="ORG/NAME", help="Repo name; each format adds its suffix.")
+@push_options
+@click.option("--json", "as_json", is_flag=True, help="Print what was pushed as JSON.")
+def push(run_dir, repo, private, gguf_repos, split_size, as_json):
+    """Upload the finished artifacts of RUN_DIR to the Hugging Face Hub (token from HF_TOKEN or 'hf auth login')."""
+    split_bytes = _check_push(repo, split_size)
+    report = _push(run_dir.resolve(), repo, private, gguf_repos, split_bytes, as_json)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+def definitions(as_json):
+    """List the recipes, perplexity texts, calibration sets and lm-eval tasks, and the file each comes from."""
+    from .paths import find_definitions
+
+    kinds = {
+        "recipes": find_definitions("recipes"),
+        "texts": find_definitions("evals/text"),
+        "calibration": find_definitions("calibration"),
+        "tasks": find_definitions("evals/tasks"),
+    }
+    if as_json:
+        click.echo(json.dumps({kind: {n: str(p) for n, p in found.items()} for kind, found in kinds.items()}, indent=2))
+        return
+    for kind, found in kinds.items():
+        click.echo(f"{kind}:")
+        for name, path in found.items():
+            click.echo(f"  {name:<22} {path}")
+
+
+@main.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @target_options
 @click.option("--json", "as_json", is_flag=True, help="Print the card as JSON.")
@@ -396,7 +495,7 @@ def card(run_dir, as_json, **targets):
 @click.option("--json", "as_json", is_flag=True, help="Print the plan or the outcome as JSON.")
 def release(release_file, executor, address, dry_run, as_json):
     """Run a release: several models x formats, each model into its own run directory, with one card each."""
-    from .release import EXECUTORS, RayExecutor, describe_failure, load_release, plan_release
+    from .release import EXECUTORS, RayExecutor, check_pushes, describe_failure, load_release, plan_release
     from .ui import UI
 
     if address and executor != "ray":
@@ -417,6 +516,7 @@ def release(release_file, executor, address, dry_run, as_json):
             after = f" after {', '.join(unit.depends)}" if unit.depends else ""
             click.echo(f"  {'done   ' if unit.done else 'pending'} {unit.id:<40} {needs}{after}")
         return
+    check_pushes(spec)
     runner = RayExecutor(address) if executor == "ray" else EXECUTORS[executor]()
     ui = UI()
     models = {m.name: [u for u in units if u.model == m.name] for m in spec.models}

@@ -8,11 +8,9 @@ layers x KV heads x head dim x 2 (K and V) x 2 bytes (fp16) per token of every s
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 from dataclasses import dataclass
-from pathlib import Path
 
 from .errors import QuantforgeError
 from .gpus import GPUS
@@ -20,6 +18,7 @@ from .gpus import GPUS
 GPU_UTILIZATION = 0.90
 RUNTIME_OVERHEAD_GB = 1.0
 KV_DTYPE_BYTES = 2
+FP8_KV_BYTES = 1
 
 
 @dataclass(frozen=True)
@@ -44,16 +43,24 @@ def parse_gpu(text: str) -> GPU:
     raise QuantforgeError(f"unknown GPU '{text}'; known: {', '.join(GPUS)}, or a size such as 20GB")
 
 
-def kv_bytes_per_token(config: dict) -> int:
-    return config["num_layers"] * config["num_kv_heads"] * config["head_dim"] * 2 * KV_DTYPE_BYTES
+def kv_bytes_per_token(config: dict, dtype_bytes: int = KV_DTYPE_BYTES) -> int:
+    return config["num_layers"] * config["num_kv_heads"] * config["head_dim"] * 2 * dtype_bytes
+
+
+def _largest_context(left_for_kv: float, per_token: int, concurrency: int, max_positions: int | None) -> int:
+    largest = int(left_for_kv // (per_token * concurrency)) if left_for_kv > 0 else 0
+    return min(largest, max_positions) if max_positions else largest
 
 
 def memory_fit(weight_bytes: int, config: dict, gpu: GPU, context: int, concurrency: int) -> dict:
+    """Whether the weights and the KV cache of ``concurrency`` sequences of ``context`` tokens fit, at an fp16 KV
+    cache and, as the fallback a user can choose, an fp8 one (vLLM's ``--kv-cache-dtype fp8``: half the bytes)."""
     usable = gpu.memory_gb * 1e9 * GPU_UTILIZATION - RUNTIME_OVERHEAD_GB * 1e9
     per_token = kv_bytes_per_token(config)
+    per_token_fp8 = kv_bytes_per_token(config, FP8_KV_BYTES)
     needed = weight_bytes + per_token * context * concurrency
+    needed_fp8 = weight_bytes + per_token_fp8 * context * concurrency
     left_for_kv = usable - weight_bytes
-    largest_context = int(left_for_kv // (per_token * concurrency)) if left_for_kv > 0 else 0
     max_positions = config.get("max_position_embeddings")
     return {
         "gpu": gpu.name,
@@ -65,26 +72,48 @@ def memory_fit(weight_bytes: int, config: dict, gpu: GPU, context: int, concurre
         "needed_gb": needed / 1e9,
         "usable_gb": usable / 1e9,
         "fits": needed <= usable,
-        "largest_context": min(largest_context, max_positions) if max_positions else largest_context,
+        "largest_context": _largest_context(left_for_kv, per_token, concurrency, max_positions),
         "kv_bytes_per_token": per_token,
+        "fits_with_fp8_kv": needed_fp8 <= usable,
+        "largest_context_fp8_kv": _largest_context(left_for_kv, per_token_fp8, concurrency, max_positions),
     }
 
 
 # ----------------------------------------------------------------------------------------------- commands
-
-VLLM_QUANTIZATION = {"gptq": "gptq", "awq": "awq", "compressed-tensors": "compressed-tensors"}
-
-
-def vllm_command(folder_name: str, quant_method: str, max_model_len: int) -> str:
-    quantization = VLLM_QUANTIZATION.get(quant_method, quant_method)
-    return (
-        f"vllm serve ./{folder_name} --quantization {quantization} --max-model-len {max_model_len} "
-        f"--gpu-memory-utilization {GPU_UTILIZATION}"
-    )
+#
+# vLLM reads the method from config.json's quantization_config and upgrades GPTQ/AWQ checkpoints to its fastest
+# kernels itself (each method's override_quantization_method); naming --quantization pins the slow ones, so the
+# commands never pass it. The flags below are checked against vLLM's and llama.cpp's own argument tables by
+# tests/test_deploy.py.
 
 
-def llama_cpp_command(gguf_name: str, context: int) -> str:
+def vllm_command(folder_name: str, max_model_len: int, fp8_kv: bool = False) -> str:
+    command = f"vllm serve ./{folder_name} --max-model-len {max_model_len} --gpu-memory-utilization {GPU_UTILIZATION}"
+    return command + (" --kv-cache-dtype fp8" if fp8_kv else "")
+
+
+def llama_server_command(gguf_name: str, context: int) -> str:
+    """An OpenAI-compatible server with the GGUF's own chat template (--jinja); llama.cpp offloads to a GPU itself."""
     return f"llama-server -m {shlex.quote(gguf_name)} -c {context} --jinja"
+
+
+def llama_cli_command(gguf_name: str, context: int) -> str:
+    """An interactive chat in the terminal (llama-cli chats by default when the model has a chat template)."""
+    return f"llama-cli -m {shlex.quote(gguf_name)} -c {context} --jinja"
+
+
+def ollama_command(model_name: str) -> str:
+    return f"ollama create {model_name} -f Modelfile"
+
+
+def vllm_serving(fit: dict | None, context: int) -> tuple[int, bool]:
+    """The --max-model-len and whether to add --kv-cache-dtype fp8: the asked context when it fits at fp16, else
+    at fp8 when that fits, else the largest context that fits at fp16 (no fit known: the asked context)."""
+    if not fit or fit["fits"]:
+        return context, False
+    if fit["fits_with_fp8_kv"]:
+        return context, True
+    return max(fit["largest_context"], 1), False
 
 
 # ----------------------------------------------------------------------------------------------- Ollama
@@ -93,12 +122,25 @@ MARK = "\x00{}\x00"
 
 
 def _render(template: str, messages: list[dict], add_generation_prompt: bool, special: dict) -> str:
-    import jinja2
+    """The chat template rendered as transformers renders it: in jinja2's immutable sandbox, with trim_blocks,
+    lstrip_blocks, loop controls, ``raise_exception`` and ``strftime_now``. A template from an untrusted repository
+    can therefore neither run code nor touch Python objects; any failure is one line."""
+    from transformers.utils.chat_template_utils import render_jinja_template
 
-    environment = jinja2.Environment(trim_blocks=False, lstrip_blocks=False)
-    return environment.from_string(template).render(
-        messages=messages, add_generation_prompt=add_generation_prompt, **special
-    )
+    try:
+        variables = {name: value for name, value in special.items() if name != "runtime_adds_bos"}
+        rendered, _ = render_jinja_template(
+            [messages], chat_template=template, add_generation_prompt=add_generation_prompt, **variables
+        )
+    except Exception as exc:  # jinja2's SecurityError, TemplateError, and whatever the template's own code raises
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        raise QuantforgeError(f"the chat template failed to render ({type(exc).__name__}: {first_line})") from None
+    text = rendered[0]
+    # llama.cpp (and so Ollama) adds BOS itself when the GGUF says so; a template that writes it would double it
+    bos = special.get("bos_token")
+    if special.get("runtime_adds_bos") and bos and text.startswith(bos):
+        text = text[len(bos) :]
+    return text
 
 
 def _between(text: str, start: str, end: str) -> str:
@@ -110,7 +152,8 @@ def chat_template_to_ollama(template: str, special: dict) -> tuple[str, list[str
 
     The Jinja template is rendered with marked messages to learn, for each role, the text around a message, any
     default system block it inserts, and the generation prompt. Templates whose per-role wrapping is not that
-    regular (tool calls, content-dependent branches) are refused rather than approximated.
+    regular (tool calls, content-dependent branches) are refused rather than approximated. ``special`` holds
+    ``bos_token``, ``eos_token`` and ``runtime_adds_bos`` (a leading BOS is then left to the runtime).
     """
     s, u, a = MARK.format("S"), MARK.format("U"), MARK.format("A")
     u2 = MARK.format("U2")
@@ -179,131 +222,10 @@ def _split_gap(gap: str, full: str, left: str, right: str, template: str, specia
     return suffix, gap[len(suffix) :]
 
 
-def modelfile(gguf_name: str, template: str, stops: list[str], context: int) -> str:
-    lines = [f"FROM ./{gguf_name}", f'TEMPLATE """{template}"""', f"PARAMETER num_ctx {context}"]
+def modelfile(gguf_name: str, template: str | None, stops: list[str], context: int) -> str:
+    """An Ollama Modelfile; without a TEMPLATE, Ollama falls back to the chat template stored in the GGUF."""
+    lines = [f"FROM ./{gguf_name}"]
+    lines += [f'TEMPLATE """{template}"""'] if template is not None else []
+    lines += [f"PARAMETER num_ctx {context}"]
     lines += [f'PARAMETER stop "{stop}"' for stop in stops]
     return "\n".join(lines) + "\n"
-
-
-# ----------------------------------------------------------------------------------------------- model cards
-
-BUNDLED_BASE_MODELS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
-TAGS = {"gguf": ["gguf"], "gptq": ["gptq"], "awq": ["awq"], "compressed-tensors": ["compressed-tensors"]}
-
-
-def _chat_template(source_dir: Path) -> tuple[str | None, dict]:
-    """The source's chat template and special tokens, read from its files (no tokenizer load)."""
-    config_path = source_dir / "tokenizer_config.json"
-    config = json.loads(config_path.read_text()) if config_path.exists() else {}
-    template = config.get("chat_template")
-    if template is None and (source_dir / "chat_template.jinja").exists():
-        template = (source_dir / "chat_template.jinja").read_text()
-    special = {name: config.get(name) for name in ("bos_token", "eos_token")}
-    return (template if isinstance(template, str) else None), special
-
-
-def _front_matter(values: dict) -> str:
-    lines = ["---"]
-    for key, value in values.items():
-        if isinstance(value, list):
-            lines.append(f"{key}:")
-            lines += [f"- {item}" for item in value]
-        else:
-            lines.append(f"{key}: {value}")
-    return "\n".join(lines + ["---", ""])
-
-
-def _evaluation_rows(card: dict, entry: dict) -> list[str]:
-    reference = card["reference"]
-    metrics = entry["metrics"]
-    rows = [
-        "| metric | reference | this model |",
-        "|---|---|---|",
-        f"| perplexity ({card['evaluation']['text']['name']}, {card['evaluation']['context']} tokens) | "
-        f"{reference['perplexity']:.3f} | {metrics['perplexity']:.3f} ({metrics['perplexity_increase_pct']:+.2f}%) |",
-        f"| mean KL divergence | 0 | {metrics['kld_mean']:.4f} |",
-        f"| top-1 agreement | 1 | {metrics['top1_agreement']:.3f} |",
-    ]
-    for name, task in (entry.get("tasks") or {}).items():
-        base = reference["tasks"][name]["value"]
-        rows.append(f"| {name} ({task['metric']}, {task['samples']} examples) | {base:.3f} | {task['value']:.3f} |")
-    return rows
-
-
-def model_card(card: dict, entry: dict, usage: list[str]) -> str:
-    model = card["model"]
-    base = model.get("hub_id") or BUNDLED_BASE_MODELS.get(model["name"]) or model["name"]
-    quant_method = entry.get("quant_method", "gguf")
-    front = {
-        "base_model": base,
-        "base_model_relation": "quantized",
-        "library_name": "gguf" if entry["family"] == "gguf" else "transformers",
-        "tags": ["quantforge", "quantized", *TAGS.get(quant_method, [quant_method]), entry["format"]],
-        "quantized_by": "quantforge",
-    }
-    lines = [
-        _front_matter(front),
-        f"# {model['name']} {entry['scheme']}",
-        "",
-        f"{entry['scheme']} quantization of {f'[{base}](https://huggingface.co/{base})' if '/' in base else base} "
-        "made with quantforge "
-        f"({entry['backend']} backend): {entry['bits_per_weight']:.2f} bits per weight over all tensors, "
-        f"{entry['size_bytes'] / 1e6:.1f} MB.",
-        "",
-        "## Evaluation",
-        "",
-        *_evaluation_rows(card, entry),
-        "",
-        "Measured by quantforge on the files in this folder, on the same tokens as the unquantized reference "
-        "(see card.json of the run for how each figure was made).",
-        "",
-        "## Usage",
-        "",
-        *usage,
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def write_deployment_files(run_dir: Path, card: dict) -> None:
-    """README.md (model card) in every artifact folder; for GGUF an Ollama Modelfile, for vLLM formats the
-    serve command. The files depend on measurements only, not on the card's targets."""
-    from .fsutil import atomic_write_text
-
-    source_dir = Path(card["model"]["path"])
-    template, special = _chat_template(source_dir)
-    targets = card["targets"]
-    for entry in card["formats"]:
-        if not entry.get("complete"):
-            continue
-        folder = run_dir / entry["artifact"]
-        if entry["family"] == "gguf":
-            gguf_name = next(folder.glob("*.gguf")).name
-            usage = ["```bash", llama_cpp_command(gguf_name, targets["context"])]
-            if template:
-                try:
-                    go_template, stops = chat_template_to_ollama(template, special)
-                    atomic_write_text(
-                        folder / "Modelfile", modelfile(gguf_name, go_template, stops, targets["context"])
-                    )
-                    usage.append(f"ollama create {card['model']['name']}-{entry['format']} -f Modelfile")
-                except QuantforgeError as exc:
-                    usage.append(f"# no Modelfile: {exc}")
-            usage.append("```")
-        else:
-            quant = json.loads((folder / "config.json").read_text()).get("quantization_config", {})
-            entry = {**entry, "quant_method": quant.get("quant_method")}
-            fit = next(iter(entry.get("memory_fit", {}).values()), None) if targets.get("gpu") else None
-            max_len = fit["largest_context"] if fit and fit["largest_context"] else targets["context"]
-            usage = [
-                "```bash",
-                vllm_command(folder.name, quant.get("quant_method"), max_len),
-                "```",
-                "",
-                "```python",
-                "from transformers import AutoModelForCausalLM, AutoTokenizer",
-                f'model = AutoModelForCausalLM.from_pretrained("./{folder.name}", device_map="auto")',
-                f'tokenizer = AutoTokenizer.from_pretrained("./{folder.name}")',
-                "```",
-            ]
-        atomic_write_text(folder / "README.md", model_card(card, entry, usage))

@@ -30,8 +30,9 @@ from pathlib import Path
 from .errors import QuantforgeError
 
 DISTRIBUTION = "llama-cpp-python"
-# What the converter needs of the vendored tree: the script, its per-architecture package, its own gguf-py.
-CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion", "gguf-py", "LICENSE")
+# What the converter needs of the vendored tree: the script, its per-architecture package, its own gguf-py; and
+# llama.cpp's argument table, against which tests/test_deploy.py checks the llama-server/llama-cli commands we write.
+CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion", "gguf-py", "LICENSE", "common/arg.cpp")
 OUT_TYPES = ("f16", "bf16", "f32")
 
 
@@ -90,13 +91,17 @@ def _download_sdist(version: str, into: Path) -> Path:
     return archives[0]
 
 
+def _is_part(relative: str) -> bool:
+    return any(relative == part or relative.startswith(part + "/") for part in CONVERTER_PARTS)
+
+
 def install_converter(sdist: Path | None = None) -> Path:
     """Unpack the converter's parts of the sdist into the cache (atomically); return the folder."""
     from .fsutil import partial_name, remove_path
 
     version = runtime_version()
     target = converter_dir(version)
-    if (target / "convert_hf_to_gguf.py").exists():
+    if all((target / part).exists() for part in CONVERTER_PARTS):
         return target
     scratch = partial_name(target)
     remove_path(scratch)
@@ -105,17 +110,14 @@ def install_converter(sdist: Path | None = None) -> Path:
         archive = sdist or _download_sdist(version, scratch / "sdist")
         prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
         with tarfile.open(archive) as tar:
-            members = [
-                m
-                for m in tar.getmembers()
-                if m.name.startswith(prefix) and m.name[len(prefix) :].split("/")[0] in CONVERTER_PARTS
-            ]
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix) and _is_part(m.name[len(prefix) :])]
             if not any(m.name.endswith("convert_hf_to_gguf.py") for m in members):
                 raise QuantforgeError(f"{archive} holds no vendor/llama.cpp/convert_hf_to_gguf.py")
             tar.extractall(scratch / "tree", members=members, filter="data")
         remove_path(scratch / "sdist")
         shutil.move(str(scratch / "tree" / prefix.rstrip("/")), str(scratch / "llama.cpp"))
         target.parent.mkdir(parents=True, exist_ok=True)
+        remove_path(target)  # an older install that lacks a part
         os.replace(scratch / "llama.cpp", target)
     finally:
         remove_path(scratch)

@@ -123,7 +123,8 @@ def _fit_table(card: dict) -> list[str]:
         f"Weights (artifact tensor bytes) + fp16 KV cache "
         f"({fitted[0]['memory_fit'][gpus[0]]['kv_bytes_per_token']:,} bytes per token) must fit in "
         f"{GPU_UTILIZATION:.0%} of the GPU's memory less {RUNTIME_OVERHEAD_GB:g} GB for activations and the "
-        "runtime. Each cell: fits or not, and the largest context that fits.",
+        "runtime. Each cell: fits or not, and the largest context that fits; where only an fp8 KV cache "
+        "(vLLM's `--kv-cache-dtype fp8`) fits, the cell says so.",
         "",
         "| format | " + " | ".join(gpus) + " |",
         "|---|" + "---|" * len(gpus),
@@ -132,7 +133,10 @@ def _fit_table(card: dict) -> list[str]:
         cells = []
         for gpu in gpus:
             fit = entry["memory_fit"][gpu]
-            cells.append(f"{'yes' if fit['fits'] else 'no'} ({fit['largest_context']:,})")
+            cell = f"{'yes' if fit['fits'] else 'no'} ({fit['largest_context']:,})"
+            if not fit["fits"] and fit.get("fits_with_fp8_kv"):
+                cell += f"; yes with fp8 KV ({fit['largest_context_fp8_kv']:,})"
+            cells.append(cell)
         lines.append(f"| {entry['key']} | " + " | ".join(cells) + " |")
     return lines
 

@@ -38,6 +38,7 @@ class BuildRequest:
     """What the user asked for on the command line; None means "use the recipe's value or the default"."""
 
     model: str | None
+    revision: str | None = None  # a Hub branch, tag or commit (the recipe's or "main" when None)
     formats: list[str] | None = None
     backends: list[str] | None = None
     out: Path | None = None
@@ -134,9 +135,9 @@ def make_plan(request: BuildRequest) -> Plan:
     if request.model is None and recipe is None:
         raise QuantforgeError("name a model (a recipe, a Hub id, a local folder) or pass --recipe FILE")
     if recipe is not None and (request.model is None or request.model == recipe.name):
-        spec = parse_model_ref(recipe.model, name=recipe.name, revision=recipe.revision)
+        spec = parse_model_ref(recipe.model, name=recipe.name, revision=_first(request.revision, recipe.revision))
     else:
-        spec = parse_model_ref(request.model)
+        spec = parse_model_ref(request.model, revision=request.revision)
     if spec.kind == "unknown":
         raise QuantforgeError(
             f"unknown model '{spec.target}': not a recipe ({', '.join(sorted(known_recipes()))}), "

@@ -35,6 +35,8 @@ MODEL_SETTINGS = {
     "speed": bool,
     "revision": str,
     "trust_remote_code": bool,
+    # upload the model's finished artifacts after its card (see publish.py): to: ORG/NAME, private, gguf_repos, ...
+    "push": {"to": str, "private": bool, "gguf_repos": str, "split_size": str},
 }
 RELEASE_SCHEMA = {
     "name": str,
@@ -112,6 +114,7 @@ def build_request(release: Release, model: ReleaseModel):
     quantize = settings.get("quantize", {})
     return BuildRequest(
         model=model.model,
+        revision=settings.get("revision"),
         formats=settings.get("formats"),
         backends=settings.get("backends"),
         out=release.out / model.name,
@@ -138,6 +141,8 @@ def build_request(release: Release, model: ReleaseModel):
 def retry_command(request, key: str | None) -> str:
     """The `quantforge build` command that redoes just this model (or this format of it)."""
     parts = ["quantforge", "build", request.model, "--out", str(request.out)]
+    if request.revision:
+        parts += ["--revision", request.revision]
     formats = [key.split("@")[0]] if key else request.formats
     if formats:
         parts += ["--formats", ",".join(formats)]
@@ -165,6 +170,7 @@ UNIT_STAGES = {  # the stages a unit runs, as prefixes of their manifest keys ({
     "quantize": ("intermediate/", "quantize/{key}"),
     "evaluate": ("evaluate/{key}", "tasks/{key}/", "speed/{key}"),
     "card": ("card",),
+    "push": (),
 }
 
 
@@ -233,10 +239,30 @@ def plan_release(release: Release) -> tuple[list[Unit], dict]:
             evaluations.append(evaluate.id)
         card, manifest = plan.run_dir / "card.json", plan.run_dir / "run.json"
         card_current = card.exists() and card.stat().st_mtime >= manifest.stat().st_mtime
-        units.append(
-            unit("card", None, evaluations, card_current and all(u.done for u in units if u.model == model.name))
+        card_unit = unit(
+            "card", None, evaluations, card_current and all(u.done for u in units if u.model == model.name)
         )
+        units.append(card_unit)
+        if model.settings.get("push"):
+            units.append(unit("push", None, [card_unit.id]))  # push.json makes a repeated push skip what is there
     return units, plans
+
+
+def check_pushes(release: Release) -> None:
+    """Before any unit runs: every push target is a valid repo name, its settings parse, and a token is there."""
+    from .publish import GGUF_LAYOUTS, check_repo_name, check_token, parse_size
+
+    pushes = [m.settings["push"] for m in release.models if m.settings.get("push")]
+    for push in pushes:
+        if "to" not in push:
+            raise QuantforgeError(f"{release.path}: a 'push' setting needs 'to: ORG/NAME'")
+        check_repo_name(push["to"])
+        if push.get("split_size"):
+            parse_size(push["split_size"])
+        if push.get("gguf_repos", "one") not in GGUF_LAYOUTS:
+            raise QuantforgeError(f"{release.path}: push.gguf_repos must be one of {', '.join(GGUF_LAYOUTS)}")
+    if pushes:
+        check_token()
 
 
 def run_unit(release_path: str, model_name: str, kind: str, key: str | None) -> dict:
@@ -248,6 +274,19 @@ def run_unit(release_path: str, model_name: str, kind: str, key: str | None) -> 
     model = next(m for m in release.models if m.name == model_name)
     plan = make_plan(build_request(release, model))
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if kind == "push":
+        from .publish import parse_size, push_run
+
+        push = model.settings["push"]
+        pushed = push_run(
+            plan.run_dir,
+            push["to"],
+            private=push.get("private", False),
+            gguf_layout=push.get("gguf_repos", "one"),
+            split_bytes=parse_size(push["split_size"]) if push.get("split_size") else None,
+            log=lambda line: None,
+        )
+        return {"unit": kind, "key": None, "repos": sorted(pushed)}
     card = Build(plan, UI(quiet=True)).run_unit(kind, key)
     return {"unit": kind, "key": key, "recommended": card.get("decision", {}).get("recommended")}
 

@@ -21,7 +21,20 @@ from .fsutil import atomic_output, atomic_write_json, sha256_file
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 # What a causal LM needs from a Hub repo; weights are safetensors unless the user allows pickle.
-HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
+# README.md for the licence and base model in its front matter; LICENSE/NOTICE files travel with every artifact
+HUB_PATTERNS = [
+    "*.json",
+    "*.safetensors",
+    "*.jinja",
+    "tokenizer*",
+    "*.model",
+    "*.tiktoken",
+    "*.txt",
+    "README.md",
+    "LICENSE*",
+    "NOTICE*",
+    "USE_POLICY.md",
+]
 PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth"]
 
 
@@ -68,6 +81,8 @@ class ModelSpec:
 
 def parse_model_ref(ref: str, name: str | None = None, revision: str | None = None) -> ModelSpec:
     """Classify a model reference: ``bundled:NAME``, an existing folder, or a Hub id ``org/name``."""
+    if revision is not None and (ref.startswith("bundled:") or Path(ref).expanduser().exists()):
+        raise QuantforgeError(f"--revision {revision}: a revision applies to Hub models only, and {ref} is not one")
     if ref.startswith("bundled:"):
         bundled = ref.split(":", 1)[1]
         if bundled not in BUNDLED:

@@ -97,10 +97,26 @@ TINY_RUN_ARGS = [
 @pytest.fixture(scope="session")
 def tiny_run(tiny_llama, tmp_path_factory) -> Path:
     """A finished build of the tiny llama into three GGUF formats (treat as read-only; copy it to change it)."""
-    out = tmp_path_factory.mktemp("runs") / "tiny"
-    result = quantforge_cli("build", str(tiny_llama), "--out", str(out), *TINY_RUN_ARGS)
-    assert result.returncode == 0, result.stderr
+    return build_run(tiny_llama, tmp_path_factory.mktemp("runs") / "tiny", *TINY_RUN_ARGS)
+
+
+def build_run(model: Path, out: Path, *args: str, env: dict | None = None) -> Path:
+    """``quantforge build MODEL --out OUT ARGS`` that must succeed; returns the run folder."""
+    result = quantforge_cli("build", str(model), "--out", str(out), *args, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
     return out
+
+
+CALIBRATION = ["--calib-samples", "8", "--calib-seqlen", "128"]
+
+
+@pytest.fixture(scope="session")
+def mixed_run(tiny_llama, tmp_path_factory) -> Path:
+    """INT8, INT4 (GPTQ, AWQ) and GGUF formats of the tiny model, measured for real: the fixture the decision,
+    torch-format and push tests share (one build per session)."""
+    formats = "int8,gptq-int8,gptq-int4,awq,gguf-q8_0,gguf-q4km"
+    out = tmp_path_factory.mktemp("runs") / "mixed"
+    return build_run(tiny_llama, out, "--formats", formats, *FAST_EVAL, *CALIBRATION)
 
 
 def tree_digest(folder: Path) -> dict:
@@ -133,3 +149,40 @@ def assert_same_results(ours: dict, theirs: dict) -> None:
         [(v["key"], v["outcome"], v["reason"], [c["met"] for c in v["checks"]]) for v in card["decision"]["verdicts"]],
     )
     assert decision(ours) == decision(theirs)
+
+
+# ----------------------------------------------------------------------------------------------- runtimes' own code
+
+VLLM_VERSION = "0.34.0"  # the vLLM whose argument parser and quantization methods the serve commands are checked on
+
+
+@pytest.fixture(scope="session")
+def vllm_source():
+    """vllm_source(path) -> the text of a file of vLLM's wheel (read from the zip; vLLM is never installed here).
+
+    The wheel is fetched once with pip into quantforge's cache: it is vLLM's own source of truth for the flags and
+    quantization method names we write into serve commands."""
+    import zipfile
+
+    from quantforge.source import cache_root
+
+    folder = cache_root() / "reference"
+    wheels = sorted(folder.glob(f"vllm-{VLLM_VERSION}-*.whl"))
+    if not wheels:
+        command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:"]
+        done = subprocess.run([*command, f"vllm=={VLLM_VERSION}", "-d", str(folder)], capture_output=True, text=True)
+        wheels = sorted(folder.glob(f"vllm-{VLLM_VERSION}-*.whl"))
+        assert wheels, f"could not fetch the vLLM {VLLM_VERSION} wheel with pip: {done.stderr[-500:]}"
+    archive = zipfile.ZipFile(wheels[0])
+    return lambda path: archive.read(path).decode()
+
+
+def vllm_quantization_methods(vllm_source) -> set[str]:
+    """The names in vLLM's QuantizationMethods literal (vllm/model_executor/layers/quantization/__init__.py)."""
+    import ast
+
+    tree = ast.parse(vllm_source("vllm/model_executor/layers/quantization/__init__.py"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "QuantizationMethods":
+            return {element.value for element in node.value.slice.elts}
+    raise AssertionError("vLLM's QuantizationMethods literal was not found")

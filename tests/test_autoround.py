@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import FAST_EVAL, quantforge_cli, read_json
+from conftest import CALIBRATION, FAST_EVAL, build_run, read_json
 
 from quantforge.backends.llamacpp import tensor_types
 
@@ -11,25 +11,9 @@ from quantforge.backends.llamacpp import tensor_types
 @pytest.fixture(scope="module")
 def both_run(tiny_llama, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "gguf-both"
+    both = ["--formats", "gguf-q4km,gguf-q5km", "--backend", "llamacpp,autoround", *FAST_EVAL, *CALIBRATION]
     # HF_HUB_OFFLINE: auto-round must not reach for its default calibration set on the Hub.
-    result = quantforge_cli(
-        "build",
-        str(tiny_llama),
-        "--formats",
-        "gguf-q4km,gguf-q5km",
-        "--backend",
-        "llamacpp,autoround",
-        "--out",
-        str(out),
-        *FAST_EVAL,
-        "--calib-samples",
-        "8",
-        "--calib-seqlen",
-        "128",
-        env={"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
+    return build_run(tiny_llama, out, *both, env={"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"})
 
 
 def test_both_backends_side_by_side_with_the_same_tensor_types(both_run):

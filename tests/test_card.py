@@ -14,26 +14,6 @@ from conftest import FAST_EVAL, REPO, quantforge_cli, read_json
 
 from quantforge.decide import Candidate, Targets, decide
 
-CALIBRATION = ["--calib-samples", "8", "--calib-seqlen", "128"]
-
-
-@pytest.fixture(scope="module")
-def mixed_run(tiny_llama, tmp_path_factory) -> Path:
-    """INT8, INT4 and GGUF formats of the tiny model, measured for real: the fixture the decision tests use."""
-    out = tmp_path_factory.mktemp("runs") / "mixed"
-    result = quantforge_cli(
-        "build",
-        str(tiny_llama),
-        "--formats",
-        "int8,gptq-int8,gptq-int4,gguf-q8_0,gguf-q4km",
-        "--out",
-        str(out),
-        *FAST_EVAL,
-        *CALIBRATION,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
-
 
 def card_with(run: Path, *flags: str) -> dict:
     result = quantforge_cli("card", str(run), "--json", *flags)
@@ -204,21 +184,33 @@ def test_html_renders_with_plots(tiny_run):
     assert front and set(front) <= {"gguf-f16", "gguf-q8_0", "gguf-q4km"}
 
 
-def test_model_cards_and_deployment_files(mixed_run):
+def test_model_cards_and_deployment_files(mixed_run, vllm_source):
+    import yaml
+    from conftest import vllm_quantization_methods
+
+    vllm_methods = vllm_quantization_methods(vllm_source)
     card = card_with(mixed_run, "--gpu", "L40S")
     for entry in card["formats"]:
         folder = mixed_run / entry["artifact"]
         readme = (folder / "README.md").read_text()
-        front = readme.split("---")[1]
-        assert "base_model_relation: quantized" in front and "quantized_by: quantforge" in front
-        assert "library_name:" in front and "- quantforge" in front
-        assert "| mean KL divergence | 0 |" in readme
+        front = yaml.safe_load(readme.split("---")[1])
+        assert front["pipeline_tag"] == "text-generation" and front["quantized_by"] == "quantforge"
+        assert "base_model" not in front, "a local folder's name is not a Hub id"
+        assert front["library_name"] == ("gguf" if entry["family"] == "gguf" else "transformers")
+        assert "quantforge" in front["tags"] and entry["format"] in front["tags"]
+        assert "| mean KL divergence | 0 |" in readme and "## Recommendation" in readme
         if entry["family"] == "gguf":
-            assert "llama-server -m" in readme and (folder / "Modelfile").exists()
-            assert (folder / "Modelfile").read_text().startswith(f"FROM ./{next(folder.glob('*.gguf')).name}")
+            gguf = next(folder.glob("*.gguf")).name
+            assert f"llama-server -m {gguf} -c 4096 --jinja" in readme
+            assert (folder / "Modelfile").read_text().startswith(f"FROM ./{gguf}")
+            assert "| calibration | none" in readme
         else:
-            quant = {"int8": "compressed-tensors", "gptq-int8": "gptq", "gptq-int4": "gptq"}[entry["key"]]
-            assert f"--quantization {quant} --max-model-len" in readme
+            quant = read_json(folder / "config.json")["quantization_config"]
+            assert quant["quant_method"] in vllm_methods
+            assert f"vllm serve ./{folder.name} --max-model-len" in readme and "--quantization" not in readme
+            assert f"{entry['quantize']['calibration_samples']} sequences x 128 tokens" in readme
+            if entry["key"].startswith("gptq"):
+                assert f"| group size | {quant['group_size']} |" in readme and "| act-order (desc_act) | no |" in readme
 
 
 def _go_render(template: str, messages: list[dict]) -> str:

@@ -89,3 +89,16 @@ def test_hub_token_never_lands_in_logs_manifests_or_cards(tiny_llama, tmp_path, 
     for path in (tmp_path / "run").rglob("*"):
         if path.is_file():
             assert token.encode() not in path.read_bytes(), path
+
+
+def test_revision_reaches_the_hub_and_is_refused_for_a_local_folder(tiny_llama, tmp_path, hub_env):
+    with FakeHub({"acme/tiny-llama": tiny_llama}) as hub:
+        env = {**hub_env, "HF_ENDPOINT": hub.endpoint}
+        plan = quantforge_cli(
+            "build", "acme/tiny-llama", "--revision", "v1.0", "--formats", "gguf-q8_0", "--plan-only", "--json", env=env
+        )
+        assert plan.returncode == 0, plan.stderr
+        assert "GET /acme/tiny-llama/resolve/v1.0/config.json" in hub.requests
+    local = quantforge_cli("build", str(tiny_llama), "--revision", "v1.0", "--plan-only", env=hub_env)
+    assert local.returncode == 2
+    assert local.stderr.strip().splitlines()[-1].startswith("error: --revision v1.0: a revision applies to Hub models")

@@ -159,3 +159,17 @@ def test_ray_release_survives_a_killed_worker_and_equals_the_local_one(models, l
             assert file_records(tmp_path / "out" / name / "artifacts" / key / weights) == file_records(
                 local_out / name / "artifacts" / key / weights
             ), (name, key)
+
+
+def test_every_release_setting_reaches_the_build_request(tmp_path):
+    from quantforge.release import build_request, load_release
+
+    path = tmp_path / "release.yaml"
+    path.write_text(
+        "defaults:\n  revision: v2\n  quantize: {layer_resume: true, group_size: 64, act_order: true}\n"
+        "models:\n  - model: acme/one\n  - model: acme/two\n    revision: main\n"
+    )
+    release = load_release(path)
+    one, two = (build_request(release, model) for model in release.models)
+    assert (one.revision, two.revision) == ("v2", "main")
+    assert (one.layer_resume, one.group_size, one.act_order) == (True, 64, True)

@@ -36,6 +36,8 @@ class Format:
     runtimes: tuple[str, ...]
     nominal_bits: float  # for disk estimates before anything exists; the card uses measured bits per weight
     description: str = ""
+    # The Hub repo suffix releases use for this format (ORG/NAME-GPTQ-Int4); GGUF files share one ORG/NAME-GGUF repo
+    hub_suffix: str = ""
 
 
 class LogitsRunner(Protocol):

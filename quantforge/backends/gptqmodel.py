@@ -21,9 +21,13 @@ from . import Format, QuantizeJob
 from .hf import VLLM_RUNTIMES, HFFolderBackend, load_calibration, move_logs, set_threads, vllm_target
 
 FORMATS = {
-    "gptq-int4": Format("gptq-int4", "hf", "GPTQ W4A16", VLLM_RUNTIMES, 4.25, "GPTQ 4-bit (vLLM, transformers)"),
-    "gptq-int8": Format("gptq-int8", "hf", "GPTQ W8A16", VLLM_RUNTIMES, 8.25, "GPTQ 8-bit (vLLM, transformers)"),
-    "awq": Format("awq", "hf", "AWQ W4A16 GEMM", VLLM_RUNTIMES, 4.25, "AWQ 4-bit GEMM (vLLM, transformers)"),
+    "gptq-int4": Format(
+        "gptq-int4", "hf", "GPTQ W4A16", VLLM_RUNTIMES, 4.25, "GPTQ 4-bit (vLLM, transformers)", "GPTQ-Int4"
+    ),
+    "gptq-int8": Format(
+        "gptq-int8", "hf", "GPTQ W8A16", VLLM_RUNTIMES, 8.25, "GPTQ 8-bit (vLLM, transformers)", "GPTQ-Int8"
+    ),
+    "awq": Format("awq", "hf", "AWQ W4A16 GEMM", VLLM_RUNTIMES, 4.25, "AWQ 4-bit GEMM (vLLM, transformers)", "AWQ"),
 }
 BITS = {"gptq-int4": 4, "gptq-int8": 8, "awq": 4}
 

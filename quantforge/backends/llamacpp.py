@@ -32,7 +32,7 @@ NOMINAL_BITS = {"gguf-f16": 16.0, "gguf-q8_0": 8.5, "gguf-q6k": 6.56, "gguf-q5km
 
 def _gguf_format(name: str) -> Format:
     scheme = FILE_TYPES[name][0]
-    return Format(name, "gguf", scheme, GGUF_RUNTIMES, NOMINAL_BITS[name], f"GGUF {scheme} (llama.cpp, Ollama)")
+    return Format(name, "gguf", scheme, GGUF_RUNTIMES, NOMINAL_BITS[name], f"GGUF {scheme} (llama.cpp, Ollama)", "GGUF")
 
 
 def prepare_llama_cpp_env() -> None:

@@ -16,9 +16,13 @@ from . import Format, QuantizeJob
 from .hf import VLLM_RUNTIMES, HFFolderBackend, load_calibration, set_threads, vllm_target
 
 FORMATS = {
-    "int8": Format("int8", "hf", "W8A8 INT8", VLLM_RUNTIMES, 8.1, "INT8 weights and activations (vLLM)"),
-    "gptq-int4": Format("gptq-int4", "hf", "GPTQ W4A16 (compressed-tensors)", VLLM_RUNTIMES, 4.25),
-    "gptq-int8": Format("gptq-int8", "hf", "GPTQ W8A16 (compressed-tensors)", VLLM_RUNTIMES, 8.25),
+    "int8": Format("int8", "hf", "W8A8 INT8", VLLM_RUNTIMES, 8.1, "INT8 weights and activations (vLLM)", "W8A8"),
+    "gptq-int4": Format(
+        "gptq-int4", "hf", "GPTQ W4A16 (compressed-tensors)", VLLM_RUNTIMES, 4.25, hub_suffix="GPTQ-Int4"
+    ),
+    "gptq-int8": Format(
+        "gptq-int8", "hf", "GPTQ W8A16 (compressed-tensors)", VLLM_RUNTIMES, 8.25, hub_suffix="GPTQ-Int8"
+    ),
 }
 SCHEMES = {"int8": "W8A8", "gptq-int4": "W4A16", "gptq-int8": "W8A16"}
 SMOOTHING_STRENGTH = 0.8  # llm-compressor's W8A8 examples

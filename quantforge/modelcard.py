@@ -1,0 +1,342 @@
+"""The files that put each artifact to use: a Hub model card (README.md), an Ollama Modelfile, the source's licence.
+
+The model card carries what a Hub user looks for (licence, pipeline tag, base model with the "quantized" relation,
+library, tags), how the artifact was made (method, bits, group size, act-order, calibration set and size), what
+quantforge measured on these very files, the run's recommendation, and the commands that serve it. Everything
+comes from the run's card and the source's own files; nothing depends on the card's targets except the verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import yaml
+
+from .deploy import (
+    chat_template_to_ollama,
+    llama_cli_command,
+    llama_server_command,
+    modelfile,
+    ollama_command,
+    vllm_command,
+    vllm_serving,
+)
+from .errors import QuantforgeError
+from .fsutil import atomic_write_text
+
+# Bundled models are converted from GGUF files of these Hub repos (see source.BUNDLED); their licences are the repos'.
+BUNDLED_BASE_MODELS = {
+    "smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0"),
+    "qwen2.5-coder-0.5b": ("Qwen/Qwen2.5-Coder-0.5B-Instruct", "apache-2.0"),
+}
+METHOD_TAGS = {"gguf": "gguf", "gptq": "gptq", "awq": "awq", "compressed-tensors": "compressed-tensors"}
+LICENSE_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "LICENCE", "NOTICE", "USE_POLICY.md")
+HUB_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./")
+
+
+# ----------------------------------------------------------------------------------------------- the source's facts
+
+
+def source_front_matter(source_dir: Path) -> dict:
+    """The YAML front matter of the source's own model card (README.md), or {} when it has none or is malformed."""
+    readme = source_dir / "README.md"
+    if not readme.is_file():
+        return {}
+    text = readme.read_text(errors="replace")
+    if not text.startswith("---"):
+        return {}
+    try:
+        front = yaml.safe_load(text.split("---", 2)[1])
+    except (yaml.YAMLError, IndexError):
+        return {}
+    return front if isinstance(front, dict) else {}
+
+
+def base_model_and_license(model: dict) -> tuple[str | None, dict]:
+    """The base model's Hub id (None for a local folder: a folder name is not a Hub id) and its licence fields."""
+    source = source_front_matter(Path(model["path"]))
+    licence = {key: source[key] for key in ("license", "license_name", "license_link") if source.get(key)}
+    if model.get("hub_id"):
+        return model["hub_id"], licence
+    if model["origin"] == "bundled" and model["name"] in BUNDLED_BASE_MODELS:
+        hub_id, bundled_licence = BUNDLED_BASE_MODELS[model["name"]]
+        return hub_id, licence or {"license": bundled_licence}
+    base = source.get("base_model")  # a local copy of a Hub model that says where it came from
+    if isinstance(base, str) and "/" in base and set(base) <= HUB_ID_CHARS:
+        return base, licence
+    return None, licence
+
+
+def chat_template(source_dir: Path) -> tuple[str | None, dict]:
+    """The source's chat template and special tokens, read from its files (no tokenizer load)."""
+    config_path = source_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    template = config.get("chat_template")
+    if template is None and (source_dir / "chat_template.jinja").exists():
+        template = (source_dir / "chat_template.jinja").read_text()
+    special = {}
+    for name in ("bos_token", "eos_token"):
+        token = config.get(name)
+        special[name] = token.get("content") if isinstance(token, dict) else token
+    return (template if isinstance(template, str) else None), special
+
+
+def gguf_adds_bos(path: Path) -> bool:
+    """Whether llama.cpp adds BOS itself when it tokenizes a prompt for this GGUF."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(path).get_field("tokenizer.ggml.add_bos_token")
+    return bool(field.contents()) if field is not None else False
+
+
+# ----------------------------------------------------------------------------------------------- the card's parts
+
+
+def _front_matter(values: dict) -> str:
+    return "---\n" + yaml.safe_dump(values, sort_keys=False, allow_unicode=True) + "---\n"
+
+
+def _quantization_rows(card: dict, entry: dict, quant_config: dict) -> list[str]:
+    facts = entry.get("quantize") or {}
+    rows = [
+        "| setting | value |",
+        "|---|---|",
+        f"| method | {entry['scheme']} ({entry['format']}) |",
+        f"| made by | {facts.get('library') or facts.get('quantizer') or entry['backend']} "
+        f"({entry['backend']} backend of quantforge) |",
+        f"| bits per weight | {entry['bits_per_weight']:.2f} over all tensors |",
+    ]
+    bits = facts.get("bits", quant_config.get("bits"))
+    if bits:
+        rows.append(f"| weight bits | {bits} |")
+    group_size = facts.get("group_size", quant_config.get("group_size"))
+    if group_size:
+        rows.append(f"| group size | {group_size} |")
+    act_order = facts.get("act_order", quant_config.get("desc_act"))
+    if act_order is not None:
+        rows.append(f"| act-order (desc_act) | {'yes' if act_order else 'no'} |")
+    if facts.get("tensor_types"):
+        types = ", ".join(f"{name} x{count}" for name, count in sorted(facts["tensor_types"].items()))
+        rows.append(f"| tensor types | {types} |")
+    if facts.get("fallback_tensors"):
+        rows.append(f"| fallback tensors | {facts['fallback_tensors']} (width not a multiple of the block size) |")
+    if facts.get("calibration_samples"):
+        calibration = card.get("calibration") or {}
+        text = calibration.get("text") or {}
+        rows.append(
+            f"| calibration | {text.get('name', 'unknown')} ({text.get('source', 'unknown source')}): "
+            f"{facts['calibration_samples']} sequences x {facts.get('calibration_seqlen', '?')} tokens, "
+            f"seed {calibration.get('seed', 0)} |"
+        )
+    else:
+        rows.append("| calibration | none (round-to-nearest from the weights alone) |")
+    return rows
+
+
+def _evaluation_rows(card: dict, entry: dict) -> list[str]:
+    reference = card["reference"]
+    metrics = entry["metrics"]
+    rows = [
+        "| metric | reference | this model |",
+        "|---|---|---|",
+        f"| perplexity ({card['evaluation']['text']['name']}, {card['evaluation']['context']} tokens) | "
+        f"{reference['perplexity']:.3f} | {metrics['perplexity']:.3f} ({metrics['perplexity_increase_pct']:+.2f}%) |",
+        f"| mean KL divergence | 0 | {metrics['kld_mean']:.4f} |",
+        f"| top-1 agreement | 1 | {metrics['top1_agreement']:.3f} |",
+    ]
+    for name, task in (entry.get("tasks") or {}).items():
+        base = reference["tasks"][name]["value"]
+        rows.append(f"| {name} ({task['metric']}, {task['samples']} examples) | {base:.3f} | {task['value']:.3f} |")
+    return rows
+
+
+def _recommendation(card: dict, entry: dict) -> str:
+    decision = card["decision"]
+    verdict = next((v for v in decision["verdicts"] if v["key"] == entry["key"]), None)
+    if decision.get("recommended") == entry["key"]:
+        return f"quantforge recommends this format for the run's targets: {verdict['reason']}."
+    chosen = decision.get("recommended") or "none of the formats"
+    why = f" ({verdict['outcome']}: {verdict['reason']})" if verdict else ""
+    return f"For the run's targets quantforge recommended {chosen}, not this format{why}."
+
+
+def model_card(card: dict, entry: dict, usage: list[str], quant_config: dict) -> str:
+    model = card["model"]
+    quant_method = quant_config.get("quant_method", "gguf" if entry["family"] == "gguf" else None)
+    library = "gguf" if entry["family"] == "gguf" else "transformers"
+    front, base, licence = _front(card, library, [METHOD_TAGS.get(quant_method, str(quant_method)), entry["format"]])
+    base_text = f"[{base}](https://huggingface.co/{base})" if base else f"{model['name']} (a local model)"
+    licence_line = (
+        f"Licence: {licence['license']}, as the base model's."
+        if licence
+        else "Licence: the base model's; its model card names none, so check its terms before publishing."
+    )
+    lines = [
+        _front_matter(front),
+        f"# {model['name']} {entry['scheme']}",
+        "",
+        f"{entry['scheme']} quantization of {base_text}, made with quantforge: "
+        f"{entry['bits_per_weight']:.2f} bits per weight over all tensors, {entry['size_bytes'] / 1e6:.1f} MB. "
+        + licence_line,
+        "",
+        "## Quantization",
+        "",
+        *_quantization_rows(card, entry, quant_config),
+        "",
+        "## Evaluation",
+        "",
+        *_evaluation_rows(card, entry),
+        "",
+        "Measured by quantforge on the files in this folder, on the same tokens as the unquantized reference "
+        "(see card.json of the run for how each figure was made).",
+        "",
+        "## Recommendation",
+        "",
+        _recommendation(card, entry),
+        "",
+        "## Usage",
+        "",
+        *usage,
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _front(card: dict, library: str, tags: list[str]) -> tuple[dict, str | None, dict]:
+    base, licence = base_model_and_license(card["model"])
+    front: dict = {}
+    if base:
+        front["base_model"] = base
+        front["base_model_relation"] = "quantized"
+    front.update(licence)
+    front["pipeline_tag"] = "text-generation"
+    front["library_name"] = library
+    front["tags"] = ["quantforge", "quantized", *tags]
+    front["quantized_by"] = "quantforge"
+    return front, base, licence
+
+
+def write_gguf_repo_card(card: dict, entries: list[dict], repo_id: str, names: dict[str, list[str]]) -> str:
+    """The model card of a repo holding several GGUF files: one row per file, the run's recommendation, usage."""
+    front, base, licence = _front(card, "gguf", ["gguf", *(e["format"] for e in entries)])
+    model = card["model"]
+    reference = card["reference"]
+    context = card["targets"]["context"]
+    rows = [
+        "| file | quant | bits/weight | size | perplexity change | mean KLD | top-1 agreement |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for entry in entries:
+        metrics = entry["metrics"]
+        rows.append(
+            f"| {' + '.join(names[entry['key']])} | {entry['scheme']} | {entry['bits_per_weight']:.2f} | "
+            f"{entry['size_bytes'] / 1e6:.1f} MB | {metrics['perplexity_increase_pct']:+.2f}% | "
+            f"{metrics['kld_mean']:.4f} | {metrics['top1_agreement']:.3f} |"
+        )
+    recommended = card["decision"].get("recommended")
+    scheme = next((e["scheme"] for e in entries if e["key"] == recommended), entries[0]["scheme"])
+    split = any(len(files) > 1 for files in names.values())
+    lines = [
+        _front_matter(front),
+        f"# {model['name']} GGUF",
+        "",
+        f"GGUF quantizations of {f'[{base}](https://huggingface.co/{base})' if base else model['name']}, made with "
+        f"quantforge and measured on these files against the unquantized reference (perplexity "
+        f"{reference['perplexity']:.3f} on {card['evaluation']['text']['name']}, {card['evaluation']['context']}-token "
+        f"windows). " + (f"Licence: {licence['license']}, as the base model's." if licence else ""),
+        "",
+        "## Files",
+        "",
+        *rows,
+        "",
+        "## Recommendation",
+        "",
+        f"For the run's targets quantforge recommended {recommended or 'none of these files'}.",
+        "",
+        "## Usage",
+        "",
+        "```bash",
+        f"llama-server -hf {repo_id}:{scheme} -c {context} --jinja",
+        f"ollama run hf.co/{repo_id}:{scheme}",
+        "```",
+        "",
+        "Each file has a Modelfile beside it (`Modelfile.<quant>`) for `ollama create NAME -f Modelfile.<quant>`.",
+    ]
+    if split:
+        lines += [
+            "",
+            "Files split as `NAME-0000k-of-0000n.gguf` are in llama.cpp's split format: llama.cpp loads them from "
+            "the first shard; merge them with `llama-gguf-split --merge` for runtimes that need one file.",
+        ]
+    return "\n".join(lines + [""])
+
+
+# ----------------------------------------------------------------------------------------------- per family
+
+
+def _gguf_usage(folder: Path, card: dict, entry: dict, template: str | None, special: dict) -> list[str]:
+    """The llama.cpp commands and the Ollama Modelfile (with a TEMPLATE when the chat template converts)."""
+    context = card["targets"]["context"]
+    gguf = sorted(folder.glob("*.gguf"))[0]
+    go_template, stops, note = None, [special["eos_token"]] if special.get("eos_token") else [], None
+    if template:
+        try:
+            go_template, stops = chat_template_to_ollama(template, {**special, "runtime_adds_bos": gguf_adds_bos(gguf)})
+        except QuantforgeError as exc:
+            note = f"The Modelfile has no TEMPLATE ({exc}); Ollama then uses the chat template stored in the GGUF."
+    else:
+        note = "The source has no chat template: the Modelfile has no TEMPLATE."
+    atomic_write_text(folder / "Modelfile", modelfile(gguf.name, go_template, stops, context))
+    usage = [
+        "```bash",
+        llama_server_command(gguf.name, context),
+        llama_cli_command(gguf.name, context),
+        ollama_command(f"{card['model']['name']}-{entry['format']}"),
+        "```",
+    ]
+    return usage + (["", note] if note else [])
+
+
+def _hf_usage(folder: Path, card: dict, entry: dict) -> list[str]:
+    context = card["targets"]["context"]
+    fit = next(iter(entry.get("memory_fit", {}).values()), None) if card["targets"].get("gpu") else None
+    max_len, fp8_kv = vllm_serving(fit, context)
+    usage = ["```bash", vllm_command(folder.name, max_len, fp8_kv), "```"]
+    if fp8_kv:
+        usage += ["", f"An fp16 KV cache of {context} tokens does not fit on {fit['gpu']}; an fp8 one does."]
+    return usage + [
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f'model = AutoModelForCausalLM.from_pretrained("./{folder.name}", device_map="auto")',
+        f'tokenizer = AutoTokenizer.from_pretrained("./{folder.name}")',
+        "```",
+    ]
+
+
+def _copy_licence_files(source_dir: Path, folder: Path) -> None:
+    """The source's licence files travel with every artifact (many licences require it of a redistribution)."""
+    for name in LICENSE_FILES:
+        if (source_dir / name).is_file() and not (folder / name).exists():
+            shutil.copyfile(source_dir / name, folder / name)
+
+
+def write_deployment_files(run_dir: Path, card: dict) -> None:
+    """README.md (model card) and the source's licence files in every artifact folder; for GGUF an Ollama
+    Modelfile. The files depend on measurements, not on the card's targets (apart from the recommendation)."""
+    source_dir = Path(card["model"]["path"])
+    template, special = chat_template(source_dir)
+    for entry in card["formats"]:
+        if not entry.get("complete"):
+            continue
+        folder = run_dir / entry["artifact"]
+        if entry["family"] == "gguf":
+            quant_config: dict = {}
+            usage = _gguf_usage(folder, card, entry, template, special)
+        else:
+            quant_config = json.loads((folder / "config.json").read_text()).get("quantization_config", {})
+            usage = _hf_usage(folder, card, entry)
+        _copy_licence_files(source_dir, folder)
+        atomic_write_text(folder / "README.md", model_card(card, entry, usage, quant_config))

@@ -1,0 +1,119 @@
+"""The built wheel works on its own: definitions ship inside it, and a non-editable install finds them.
+
+The wheel is installed with --no-deps into a fresh venv whose dependencies come from this test's environment
+through a .pth line (a path added that way is not scanned for .pth files, so the editable install of the checkout
+is not seen); commands run from a folder outside the checkout so nothing there can be imported by accident.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE_PARTS = ("pyproject.toml", "README.md", "quantforge", "recipes", "calibration", "evals")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    source = tmp_path_factory.mktemp("source")
+    for part in SOURCE_PARTS:
+        copy = shutil.copytree if (REPO / part).is_dir() else shutil.copy2
+        copy(
+            REPO / part,
+            source / part,
+            **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree else {}),
+        )
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
+        check=True,
+        cwd=source,
+    )
+    return next(out.glob("quantforge-*.whl"))
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> Path:
+    """A fresh venv holding the wheel (not editable); returns its bin folder."""
+    root = tmp_path_factory.mktemp("venv")
+    venv.EnvBuilder(with_pip=True).create(root)  # ensurepip: offline
+    python = root / "bin" / "python"
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
+    (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)],
+        check=True,
+    )
+    return root / "bin"
+
+
+def _run(bin_dir: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(cwd), "QUANTFORGE_PATH": ""}
+    return subprocess.run([str(bin_dir / "quantforge"), *args], capture_output=True, text=True, cwd=cwd, env=env)
+
+
+def test_the_wheel_holds_every_definition(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    for kind in ("recipes", "calibration", "evals/tasks", "evals/text"):
+        shipped = {Path(n).name for n in names if n.startswith(f"quantforge/definitions/{kind}/")}
+        assert shipped == {p.name for p in (REPO / kind).glob("*.yaml")}, kind
+
+
+def test_a_wheel_install_lists_formats_recipes_and_tasks(installed, tmp_path):
+    located = subprocess.run(
+        [str(installed / "python"), "-c", "import quantforge, sys; print(quantforge.__file__)"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        check=True,
+    ).stdout
+    assert str(installed.parent) in located, "the wheel's copy must be the one imported"
+    formats = _run(installed, "formats", "--json", cwd=tmp_path)
+    assert formats.returncode == 0, formats.stderr
+    assert {"gguf-q4km", "awq", "int8"} <= {row["format"] for row in json.loads(formats.stdout)}
+    listed = _run(installed, "definitions", "--json", cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    found = json.loads(listed.stdout)
+    assert {"qwen2.5-7b", "smollm2-135m"} <= set(found["recipes"])
+    assert {"arc_easy", "hellaswag"} <= set(found["tasks"])
+    assert {"wikitext2", "pydoc"} <= set(found["texts"])
+    for kind in found.values():
+        for path in kind.values():
+            assert path.startswith(str(installed.parent)), path  # read from the installed package, not the checkout
+    plan = _run(installed, "build", "qwen2.5-7b", "--formats", "gguf-q4km", "--plan-only", "--json", cwd=tmp_path)
+    assert plan.returncode in (0, 2), plan.stderr
+    assert "unknown model" not in plan.stderr
+
+
+def test_a_team_path_still_adds_and_overrides_definitions(installed, tmp_path):
+    team = tmp_path / "team"
+    (team / "recipes").mkdir(parents=True)
+    (team / "recipes" / "ours.yaml").write_text("name: ours\nmodel: org/ours\n")
+    env_path = {"QUANTFORGE_PATH": str(team)}
+    result = subprocess.run(
+        [str(installed / "quantforge"), "definitions", "--json"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={"PATH": f"{installed}:/usr/bin:/bin", "HOME": str(tmp_path), **env_path},
+    )
+    assert result.returncode == 0, result.stderr
+    recipes = json.loads(result.stdout)["recipes"]
+    assert recipes["ours"] == str(team / "recipes" / "ours.yaml")
+    assert "qwen2.5-7b" in recipes
