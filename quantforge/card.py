@@ -62,6 +62,26 @@ def _with_recovery(results: dict, reference: dict) -> tuple[dict, float | None]:
     return tasks, (sum(recoveries) / len(recoveries) if recoveries and complete else None)
 
 
+def _intervals(result: dict, tasks: dict, reference_tasks: dict) -> dict:
+    """metric -> 95% interval (see uncertainty.py): a paired bootstrap over the perplexity windows, and the delta
+    method on each task's standard errors. Empty for a run evaluated before intervals were recorded."""
+    from .uncertainty import mean_recovery_interval, paired_bootstrap, recovery_interval
+
+    intervals = paired_bootstrap(result["per_window"]) if result.get("per_window") else {}
+    task_intervals = []
+    for name, task in tasks.items():
+        base = reference_tasks.get(name)
+        interval = base and recovery_interval(
+            task["value"], task["stderr"], base["value"], base.get("stderr"), task["samples"]
+        )
+        if interval:
+            intervals[f"task_recovery_pct[{name}]"] = interval
+            task_intervals.append(interval)
+    if task_intervals and len(task_intervals) == len(reference_tasks):
+        intervals["task_recovery_pct"] = mean_recovery_interval(task_intervals)
+    return intervals
+
+
 def _format_entries(manifest: Manifest) -> list[dict]:
     plan = manifest.data.get("plan", {})
     reference = manifest.stage("reference")["result"]
@@ -105,6 +125,9 @@ def _format_entries(manifest: Manifest) -> list[dict]:
                 if task["recovery_pct"] is not None:
                     metrics[f"task_recovery_pct[{name}]"] = task["recovery_pct"]
             entry["metrics"] = metrics
+            entry["intervals"] = _intervals(result, tasks, reference_tasks)
+            if result.get("per_window"):
+                entry["per_window"] = result["per_window"]  # what the intervals resample; run-to-run checks use it
             entry["how"] = {
                 k: result.get(k) for k in ("runtime", "threads", "flash_attn", "eval_seconds", "eval_tokens_per_second")
             }
@@ -157,7 +180,15 @@ def build_card(run_dir: Path, targets: Targets) -> dict:
     config = manifest.stage("fetch")["result"]["config"]
     usable = _add_memory_fit(entries, config, targets)
     candidates = [
-        Candidate(e["key"], e["family"], tuple(e["runtimes"]), e["bits_per_weight"], e["size_bytes"], e["metrics"])
+        Candidate(
+            e["key"],
+            e["family"],
+            tuple(e["runtimes"]),
+            e["bits_per_weight"],
+            e["size_bytes"],
+            e["metrics"],
+            e.get("intervals") or {},
+        )
         for e in entries
         if e["complete"]
     ]

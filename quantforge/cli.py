@@ -176,8 +176,8 @@ def main() -> None:
 @click.option(
     "--tasks",
     "task_names",
-    help="Comma-separated lm-eval tasks (arc_easy, hellaswag, piqa, winogrande, "
-    "lambada; all five when only --tasks-data is given).",
+    help="Comma-separated lm-eval tasks (arc_easy, hellaswag, piqa, winogrande, lambada; all five when only "
+    "--tasks-data is given; gsm8k: greedy generation, exact match).",
 )
 @click.option("--tasks-data", type=click.Path(path_type=Path), help="Folder holding the tasks' data files.")
 @click.option("--limit", type=int, help="Examples per task (default: all).")

@@ -3,6 +3,11 @@
 Formats are ordered by how aggressive they are, measured from the artifact (effective bits per weight over all
 tensors), not by name. The least aggressive format that meets every target wins, so INT8 beats INT4 whenever INT8
 is good enough. A target whose metric was not measured is "unverified" and never counts as met.
+
+Where a metric has a 95% interval (uncertainty.py), each check also says whether the target is met, missed or
+"within noise" (the interval holds values on both sides of the limit). The decision itself stays on the point
+estimates, so it does not move with the confidence level; a recommendation or a rejection that rests on a
+within-noise call says so, with about how many more windows or examples would settle it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ class Candidate:
     bits_per_weight: float
     size_bytes: int
     metrics: dict  # perplexity_increase_pct, kld_mean, top1_agreement, ... (absent when not measured)
+    intervals: dict = field(default_factory=dict)  # metric -> {"low", "high", "n", "unit"} (uncertainty.py)
 
 
 @dataclass(frozen=True)
@@ -130,11 +136,37 @@ def _value(candidate: Candidate, metric: str) -> float | None:
 
 
 def _check(candidate: Candidate, target: Target) -> dict:
+    from .uncertainty import status
+
     value = _value(candidate, target.metric)
+    check = {"target": target.name, "metric": target.metric, "value": value, "limit": target.limit, "met": None}
     if value is None:
-        return {"target": target.name, "metric": target.metric, "value": None, "limit": target.limit, "met": None}
-    met = value <= target.limit if target.upper else value >= target.limit
-    return {"target": target.name, "metric": target.metric, "value": value, "limit": target.limit, "met": met}
+        return {**check, "status": "unverified"}
+    interval = candidate.intervals.get(target.metric)
+    check["met"] = value <= target.limit if target.upper else value >= target.limit
+    check["status"] = status(value, interval, target.limit, target.upper)
+    if interval:
+        check["interval"] = [interval["low"], interval["high"]]
+    return check
+
+
+def _noise_note(candidate: Candidate, checks: list[dict], by_name: dict) -> str:
+    """ "; within noise: <metric> <value> [low, high] vs <limit>, about N more windows would settle it" or ""."""
+    from .uncertainty import samples_to_settle
+
+    notes = []
+    for check in checks:
+        if check.get("status") != "within noise":
+            continue
+        target = by_name[check["target"]]
+        interval = candidate.intervals[target.metric]
+        more = samples_to_settle(check["value"], interval, target.limit)
+        settle = f", about {more} more {interval['unit']} would settle it" if more else ""
+        notes.append(
+            f"{target.metric} {_fmt(check['value'])}{target.unit} [{_fmt(interval['low'])}, "
+            f"{_fmt(interval['high'])}] vs {_fmt(target.limit)}{target.unit}{settle}"
+        )
+    return f"; within noise: {'; '.join(notes)}" if notes else ""
 
 
 def _miss_ratio(check: dict, target: Target) -> float:
@@ -179,6 +211,7 @@ def decide(
                 reason = "least aggressive format that meets every target" + (
                     f" ({candidate.bits_per_weight:.2f} bits/weight)"
                 )
+                reason += _noise_note(candidate, checks, by_name)
                 ranked.append(Verdict(candidate.key, "recommended", reason, checks))
             else:
                 reason = (
@@ -194,7 +227,8 @@ def decide(
                 reasons.append(f"{target.metric} unverified (not measured), target {target.name}")
             else:
                 reasons.append("missed " + target.describe(check["value"]))
-        ranked.append(Verdict(candidate.key, "misses targets", "; ".join(reasons), checks))
+        reason = "; ".join(reasons) + _noise_note(candidate, [c for c in failed if c["met"] is False], by_name)
+        ranked.append(Verdict(candidate.key, "misses targets", reason, checks))
     closest = None
     if recommended is None and ranked:
 

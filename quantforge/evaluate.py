@@ -28,6 +28,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import QuantforgeError
+from .uncertainty import window_sums
 
 TOP_K = 64
 TAIL_SAMPLES = 64
@@ -333,5 +334,12 @@ def score_artifact(
     seconds = time.perf_counter() - started
     summary = summarize(*(np.concatenate([w[key] for w in progress.windows]) for key in ("nll", "kld", "agree")))
     summary.update(_timing(seconds, windows, resumed))
+    # per-window sums beside the reference's, for the paired bootstrap of the card's intervals (uncertainty.py)
+    summary["per_window"] = window_sums(
+        [w["nll"] for w in progress.windows],
+        [r.nll for r in refs],
+        [w["kld"] for w in progress.windows],
+        [w["agree"] for w in progress.windows],
+    )
     progress.finish()
     return summary

@@ -5,6 +5,8 @@ Reads only the card's JSON (see ``card.py``), so the HTML card renders the same 
 
 from __future__ import annotations
 
+from .uncertainty import BOOTSTRAP_SAMPLES
+
 
 def bos_convention(bos_token_id: int | None) -> str:
     if bos_token_id is None:
@@ -17,6 +19,13 @@ def bos_convention(bos_token_id: int | None) -> str:
 
 def _size(size_bytes: int) -> str:
     return f"{size_bytes / 1e6:.1f} MB" if size_bytes < 1e9 else f"{size_bytes / 1e9:.2f} GB"
+
+
+def _interval(interval: dict | None, form: str) -> str:
+    """ " [low, high]" of a 95% interval, or "" when there is none."""
+    if not interval:
+        return ""
+    return f" [{form.format(interval['low'])}, {form.format(interval['high'])}]"
 
 
 def _num(value, digits=3) -> str:
@@ -59,10 +68,11 @@ def _tasks_table(card: dict) -> list[str]:
     for entry in card["formats"]:
         tasks = entry.get("tasks") or {}
         mean = (entry.get("metrics") or {}).get("task_recovery_pct")
+        spread = _interval((entry.get("intervals") or {}).get("task_recovery_pct"), "{:.1f}")
         lines.append(
             f"| {entry['key']} | "
             + " | ".join(cell(tasks.get(n)) for n in names)
-            + f" | {'n/a' if mean is None else f'{mean:.1f}%'} |"
+            + f" | {'n/a' if mean is None else f'{mean:.1f}%{spread}'} |"
         )
     samples = {reference[n]["samples"] for n in names}
     lines.append("")
@@ -180,10 +190,14 @@ def render_markdown(card: dict) -> str:
             lines.append(f"| {entry['key']} | {entry['scheme']} | {state} | | | | | | | |")
             continue
         m = entry["metrics"]
+        spread = entry.get("intervals") or {}
         lines.append(
             f"| {entry['key']} | {entry['scheme']} | {_size(entry['size_bytes'])} | {entry['bits_per_weight']:.2f} | "
-            f"{_num(m.get('perplexity'))} | {m['perplexity_increase_pct']:+.2f}% | {_num(m.get('kld_mean'), 4)} | "
-            f"{_num(m.get('kld_p99'), 4)} | {_num(m.get('top1_agreement'), 3)} | {entry['how']['runtime']} |"
+            f"{_num(m.get('perplexity'))} | {m['perplexity_increase_pct']:+.2f}%"
+            f"{_interval(spread.get('perplexity_increase_pct'), '{:+.2f}')} | "
+            f"{_num(m.get('kld_mean'), 4)}{_interval(spread.get('kld_mean'), '{:.4f}')} | "
+            f"{_num(m.get('kld_p99'), 4)} | {_num(m.get('top1_agreement'), 3)}"
+            f"{_interval(spread.get('top1_agreement'), '{:.3f}')} | {entry['how']['runtime']} |"
         )
     lines += _tasks_table(card)
     lines += _speed_table(card)
@@ -215,6 +229,11 @@ def render_markdown(card: dict) -> str:
         "float32 throughout, over weights kept as stored (bf16, or packed) and widened one module at a time: the "
         "same logits as a float32 copy, bit for bit.",
         "- Bits per weight: tensor bytes in the artifact x 8 / parameters of the unquantized model.",
+        f"- Intervals in brackets are 95%: perplexity change, KLD and top-1 by a paired bootstrap over the "
+        f"{ev.get('windows')} windows ({BOOTSTRAP_SAMPLES} resamples, the same windows drawn for the format and the "
+        "reference); task recovery by the delta method on lm-eval's standard errors, treated as independent (wider "
+        "than the truth: both are scored on the same examples). A target whose interval holds its limit is "
+        "'within noise': the verdict then says so, with about how many more windows or examples would settle it.",
         f"- Targets: {', '.join(f'{k}={v}' for k, v in targets.items())}.",
     ]
     calibration = card.get("calibration")

@@ -8,6 +8,7 @@ and its outputs are still on disk. The card is re-rendered from the manifest at 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import json
 import os
@@ -182,6 +183,8 @@ def make_plan(request: BuildRequest) -> Plan:
 
         parse_gpu(targets.gpu)
     run_dir = (request.out or Path("runs") / spec.name).resolve()
+    if run_dir.exists() and not run_dir.is_dir():
+        raise QuantforgeError(f"--out {run_dir} is a file; give a folder for the run (it is created when missing)")
     threads = request.threads or recipe_eval.get("threads") or os.cpu_count() or 1
     for choice in choices:
         reason = choice.backend.unavailable_reason()
@@ -689,21 +692,35 @@ class Build:
 
     def host(self) -> dict:
         """This host's memory bandwidth, measured once per run, for the decode roofline."""
-        from .probe import measure_bandwidth
+        import platform
+        import subprocess
+        import sys
+
+        from .probe import bandwidth_buffer_bytes
 
         path = self.run_dir / "work" / "host.json"
 
+        threads = self.plan.threads
+        buffer_bytes = bandwidth_buffer_bytes()
+
         def produce():
+            command = [sys.executable, "-m", "quantforge.probe", "--bandwidth", "--threads", str(threads)]
             with self.ui.task("measure memory bandwidth"):
+                done = subprocess.run(
+                    [*command, "--buffer-bytes", str(buffer_bytes)], capture_output=True, text=True, check=True
+                )
                 facts = {
-                    "bandwidth_gbs": round(measure_bandwidth(), 2),
-                    "method": "numpy copy of 256 MB, best of 5",
+                    "bandwidth_gbs": round(json.loads(done.stdout.splitlines()[-1])["bandwidth_gbs"], 2),
+                    "method": f"numpy copy of {buffer_bytes >> 20} MB over {threads} thread(s), best of 5",
                     "cpus": os.cpu_count(),
                 }
             atomic_write_json(path, facts)
             return facts
 
-        return self.stage("host", None, inputs={}, settings={}, outputs=[path], produce=produce).result
+        # keyed by the machine: a run folder copied to another host measures that host
+        machine = {"node": platform.node(), "machine": platform.machine(), "cpus": os.cpu_count()}
+        settings = {"threads": threads, "buffer_bytes": buffer_bytes}
+        return self.stage("host", None, inputs=machine, settings=settings, outputs=[path], produce=produce).result
 
     def speed(self, key: str, target, weight_bytes: int, prompt: np.ndarray, upstream: str) -> None:
         """Decode-speed probe in the format's own runtime (a separate process), set beside the roofline."""
@@ -732,9 +749,8 @@ class Build:
             else:
                 runtime, artifact = target
                 prompt_path = self.run_dir / "work" / "probe-prompt.npy"
-                if not prompt_path.exists():
-                    with atomic_output(prompt_path) as tmp, open(tmp, "wb") as handle:
-                        np.save(handle, prompt[: settings["prompt_tokens"]])
+                with atomic_output(prompt_path) as tmp, open(tmp, "wb") as handle:  # this run's prompt, always
+                    np.save(handle, prompt[: settings["prompt_tokens"]])
                 command = [
                     sys.executable,
                     "-m",
@@ -767,7 +783,13 @@ class Build:
         self.stage(
             f"speed/{key}",
             f"speed {key}",
-            inputs={"model": self.digest(upstream), "host": self.digest("host")},
+            inputs={
+                "model": self.digest(upstream),
+                "host": self.digest("host"),
+                "prompt": hashlib.sha256(
+                    np.ascontiguousarray(prompt[: settings["prompt_tokens"]]).tobytes()
+                ).hexdigest(),
+            },
             settings={**settings, "threads": self.plan.threads},
             outputs=[path],
             produce=produce,

@@ -29,15 +29,40 @@ from pathlib import Path
 import numpy as np
 
 
-def measure_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
-    """Host memory bandwidth in GB/s: the best of several large array copies (bytes read + bytes written)."""
-    source = np.ones(megabytes * (1 << 20) // 8, dtype=np.float64)
+def last_level_cache_bytes() -> int | None:
+    """The largest CPU cache Linux reports (sysfs), or None elsewhere."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = entry.read_text().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes) if sizes else None
+
+
+def bandwidth_buffer_bytes() -> int:
+    """Per array: four times the last-level cache so the copy streams from memory (an EPYC with 3D V-Cache holds
+    over 1 GB), at least 256 MB and at most 1 GB."""
+    cache = last_level_cache_bytes() or 0
+    return min(max(4 * cache, 256 << 20), 1 << 30)
+
+
+def measure_bandwidth(threads: int = 1, repeats: int = 5, buffer_bytes: int | None = None) -> float:
+    """Host memory bandwidth in GB/s: the best of several copies of a buffer larger than the caches, split over
+    ``threads`` threads as decoding uses every thread (numpy releases the GIL while it copies); bytes read +
+    bytes written."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    source = np.ones((buffer_bytes or bandwidth_buffer_bytes()) // 8, dtype=np.float64)
     target = np.empty_like(source)
+    parts = [slice(i * len(source) // threads, (i + 1) * len(source) // threads) for i in range(threads)]
     best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        np.copyto(target, source)
-        best = min(best, time.perf_counter() - started)
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for _ in range(repeats):
+            started = time.perf_counter()
+            list(pool.map(lambda part: np.copyto(target[part], source[part]), parts))
+            best = min(best, time.perf_counter() - started)
     return 2 * source.nbytes / best / 1e9
 
 
@@ -182,14 +207,21 @@ def peak_rss_mb() -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Decode-speed probe of one artifact (prints JSON)")
-    parser.add_argument("--runtime", choices=sorted(PROBES), required=True)
-    parser.add_argument("--path", type=Path, required=True)
-    parser.add_argument("--prompt", type=Path, required=True, help=".npy file of prompt token ids")
+    parser = argparse.ArgumentParser(description="Decode-speed probe of one artifact, or the host's bandwidth (JSON)")
+    parser.add_argument("--runtime", choices=sorted(PROBES))
+    parser.add_argument("--path", type=Path)
+    parser.add_argument("--prompt", type=Path, help=".npy file of prompt token ids")
     parser.add_argument("--gen-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--bandwidth", action="store_true", help="measure the host's memory bandwidth instead")
+    parser.add_argument("--buffer-bytes", type=int, help="bytes per array of the bandwidth copy")
     args = parser.parse_args(argv)
+    if args.bandwidth:  # a child of the build, so the buffers never count against the build's own memory
+        print(json.dumps({"bandwidth_gbs": measure_bandwidth(args.threads, buffer_bytes=args.buffer_bytes)}))
+        return 0
+    if not (args.runtime and args.path and args.prompt):
+        parser.error("--runtime, --path and --prompt are needed for a speed probe")
     prompt = [int(t) for t in np.load(args.prompt)]
     result = PROBES[args.runtime](args.path, prompt, args.gen_tokens, args.threads, args.runs)
     result["peak_rss_mb"] = peak_rss_mb()

@@ -106,8 +106,10 @@ def _check(node: yaml.Node, schema: dict, path: Path, where: str) -> dict:
         raise QuantforgeError(f"{path}:{node.start_mark.line + 1}: {where or 'the recipe'} must be a mapping of keys")
     result = {}
     for key_node, value_node in node.value:
-        key = key_node.value
         line = key_node.start_mark.line + 1
+        if not isinstance(key_node, yaml.ScalarNode):
+            raise QuantforgeError(f"{path}:{line}: a key must be a plain name, not a list or mapping")
+        key = key_node.value
         label = f"{where}.{key}" if where else key
         if key not in schema:
             raise QuantforgeError(f"{path}:{line}: unknown key '{label}' (allowed here: {', '.join(sorted(schema))})")
@@ -125,11 +127,18 @@ def _check(node: yaml.Node, schema: dict, path: Path, where: str) -> dict:
     return result
 
 
-def load_recipe(path: Path) -> Recipe:
+def read_yaml_text(path: Path, what: str) -> str:
+    """The text of a recipe or release file, or a one-line error (unreadable, or not UTF-8 as YAML requires)."""
     try:
-        text = path.read_text()
+        return path.read_bytes().decode("utf-8")
     except OSError as exc:
-        raise QuantforgeError(f"cannot read recipe {path}: {exc.strerror}") from None
+        raise QuantforgeError(f"cannot read {what} {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise QuantforgeError(f"{path}: not UTF-8 text (byte {exc.start}); save the {what} as UTF-8") from None
+
+
+def load_recipe(path: Path) -> Recipe:
+    text = read_yaml_text(path, "recipe")
     try:
         node = yaml.compose(text)
     except yaml.YAMLError as exc:

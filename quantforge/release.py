@@ -23,7 +23,7 @@ import yaml
 
 from .errors import QuantforgeError
 from .recipes import SCHEMA as RECIPE_SCHEMA
-from .recipes import _check
+from .recipes import _check, read_yaml_text
 
 MODEL_SETTINGS = {
     "formats": list,
@@ -70,10 +70,9 @@ def _merge(defaults: dict, overrides: dict) -> dict:
 
 
 def load_release(path: Path) -> Release:
+    text = read_yaml_text(path, "release file")
     try:
-        node = yaml.compose(path.read_text())
-    except OSError as exc:
-        raise QuantforgeError(f"cannot read release file {path}: {exc.strerror}") from None
+        node = yaml.compose(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         raise QuantforgeError(f"{path}{f':{mark.line + 1}' if mark else ''}: malformed YAML") from None

@@ -200,6 +200,9 @@ def _resident_weights(size: ModelSize) -> int:
     return size.stored_bytes - size.vocab_size * size.hidden_size * size.stored_bytes // size.parameters
 
 
+PROBE_PROCESS_BYTES = 100 << 20  # python and numpy in the bandwidth probe's process, before its buffers
+
+
 def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> list[StagePlan]:
     """Every stage of the build in run order, with its predicted seconds, peak resident memory and disk."""
     flop_seconds = 2 * size.parameters / (host.gemm_gflops * 1e9)  # one token through the model at GEMM speed
@@ -225,7 +228,12 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> list[St
         stages.append(torch_stage(f"tasks/reference/{task}", "tasks", 0, reference_weights, "evaluate"))
     if inputs.calibration_tokens:
         stages.append(StagePlan("calibration", FIXED_SECONDS["calibration"], base))
-    stages.append(StagePlan("host", FIXED_SECONDS["host"], base))
+    from .probe import bandwidth_buffer_bytes
+
+    # the bandwidth probe, a child process, copies one buffer larger than the caches into another
+    stages.append(
+        StagePlan("host", FIXED_SECONDS["host"], max(base, PROBE_PROCESS_BYTES + 2 * bandwidth_buffer_bytes()))
+    )
     if any(backend == "llamacpp" for _, backend, _ in inputs.formats):
         seconds = FIXED_SECONDS["intermediate/gguf-f16"] + CONVERT_SECONDS_PER_GB * size.stored_bytes / GB
         # The converter is a child process that maps the checkpoint and writes tensor by tensor (measured: 0.9 of

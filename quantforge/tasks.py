@@ -6,7 +6,10 @@ tasks for some of these sets reach the Hub and fail offline.
 
 Every format is scored through the same adapter: an lm-eval ``LM`` whose log-likelihoods come from the artifact's
 own runtime (``LogitsRunner.logits``: llama.cpp for GGUF, the dequantized torch model for GPTQ/AWQ/INT8, the float
-model for the reference). So a task's accuracy differs between formats only through the weights.
+model for the reference). So a task's accuracy differs between formats only through the weights. Generation tasks
+(``output_type: generate_until``, e.g. ``gsm8k``) decode greedily through the same runner and compare the extracted
+answer with the reference answer; perplexity can hide what they show (a model that still predicts text well may
+no longer carry a multi-step answer through).
 """
 
 from __future__ import annotations
@@ -120,9 +123,39 @@ def make_runner_lm(runner, tokenizer, max_length: int, on_request=None):
             raise QuantforgeError("rolling log-likelihood tasks are not supported; use the perplexity stage")
 
         def generate_until(self, requests, disable_tqdm: bool = False):
-            raise QuantforgeError("generation tasks are not supported yet; choose log-likelihood tasks")
+            outputs = []
+            for index, request in enumerate(requests):
+                if on_request:
+                    on_request(index, len(requests))
+                context, settings = request.args
+                outputs.append(greedy_generate(runner, tokenizer, context, settings, max_length))
+            return outputs
 
     return RunnerLM()
+
+
+def greedy_generate(runner, tokenizer, context: str, settings: dict, max_length: int) -> str:
+    """Greedy continuation of ``context`` in the runner's own runtime until a stop string, EOS or
+    ``max_gen_toks``. Each step scores the whole sequence again (no KV cache: the same LogitsRunner every format
+    has), which is slow for long generations but identical in every runtime. The text is only compared with the
+    answer; nothing generated is ever executed."""
+    if settings.get("do_sample"):
+        raise QuantforgeError("generation tasks are scored greedily: set do_sample: false in the task")
+    until = settings.get("until") or []
+    until = [until] if isinstance(until, str) else list(until)
+    prompt = tokenizer(context)["input_ids"]  # with BOS where the model's tokenizer adds it, as a user's prompt
+    generated: list[int] = []
+    for _ in range(int(settings.get("max_gen_toks", 256))):
+        window = (prompt + generated)[-max_length:]
+        next_id = int(runner.logits(np.asarray(window, dtype=np.int32))[-1].argmax())
+        if next_id == tokenizer.eos_token_id:
+            break
+        generated.append(next_id)
+        text = tokenizer.decode(generated, skip_special_tokens=True)
+        stops = [text.index(stop) for stop in until if stop and stop in text]
+        if stops:
+            return text[: min(stops)]
+    return tokenizer.decode(generated, skip_special_tokens=True)
 
 
 def run_task(
@@ -152,8 +185,9 @@ def run_task(
         results = _evaluate(model, mapping[name], configs, limit)
     scores = results["results"][mapping[name]]
     metric = definition["metric"]
-    value = scores[f"{metric},none"]
-    stderr = scores.get(f"{metric}_stderr,none")
+    keep = definition.get("filter", "none")  # generation tasks name the filter that extracts the answer
+    value = scores[f"{metric},{keep}"]
+    stderr = scores.get(f"{metric}_stderr,{keep}")
     samples = results.get("n-samples", {}).get(mapping[name], {}).get("effective")
     return {
         "task": name,

@@ -42,9 +42,15 @@ def test_the_calibrated_files_are_evaluated_in_llama_cpp_by_the_same_stages(both
 def test_the_card_says_which_of_two_equal_size_files_is_better(both_run):
     card = read_json(both_run / "card.json")
     pairs = {p["format"]: p for p in card["same_format"]}
+    entries = {e["key"]: e for e in card["formats"]}
     assert set(pairs) == {"gguf-q4km", "gguf-q5km"}
-    for pair in pairs.values():
-        assert pair["kld_ratio"] <= 1.0 and abs(pair["size_ratio"] - 1) < 0.01
+    for fmt, pair in pairs.items():
+        # the pair is the two files of that format, ranked by their own measured KL divergence
+        assert {pair["better"], pair["worse"]} == {fmt, f"{fmt}@autoround"}
+        kld = {key: entries[key]["metrics"]["kld_mean"] for key in (pair["better"], pair["worse"])}
+        assert kld[pair["better"]] <= kld[pair["worse"]]
+        assert pair["kld_ratio"] == pytest.approx(kld[pair["better"]] / kld[pair["worse"]])
+        assert abs(pair["size_ratio"] - 1) < 0.01
         assert (
             f"**{pair['better']}** is closer to the reference than {pair['worse']}"
             in (both_run / "card.md").read_text()

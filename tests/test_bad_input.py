@@ -124,12 +124,23 @@ def test_hub_id_without_network_or_cache(run_copy, tmp_path):
         ("model: bundled:smollm2-135m\neval:\n  windowz: 4\n", [":3:", "unknown key 'eval.windowz'"]),
         ("model: bundled:smollm2-135m\neval:\n  context: lots\n", [":3:", "'eval.context' must be an integer"]),
         ("formats: [gguf-q4km]\n", ["no 'model' key"]),
+        (b"model: bundled:smollm2-135m\nname: caf\xe9\n", ["not UTF-8 text (byte 37)", "save the recipe as UTF-8"]),
+        ("model: bundled:smollm2-135m\n? [a, b]\n: 1\n", [":2:", "a key must be a plain name"]),
+        ("model: bundled:smollm2-135m\neval: {{context: 1}: 2}\n", [":2:", "a key must be a plain name"]),
     ],
 )
 def test_malformed_recipe(run_copy, tmp_path, text, fragments):
     recipe = tmp_path / "bad.yaml"
-    recipe.write_text(text)
+    recipe.write_bytes(text if isinstance(text, bytes) else text.encode())
     assert_clean_error(_build_into(run_copy, "--recipe", str(recipe)), str(recipe), *fragments)
+
+
+def test_out_naming_a_file(tiny_llama, tmp_path):
+    existing = tmp_path / "notes.txt"
+    existing.write_text("keep me\n")
+    result = quantforge_cli("build", str(tiny_llama), "--out", str(existing), *FAST_EVAL)
+    assert_clean_error(result, f"--out {existing} is a file")
+    assert existing.read_text() == "keep me\n"
 
 
 def test_card_of_a_folder_that_is_not_a_run(tmp_path):

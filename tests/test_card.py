@@ -46,9 +46,12 @@ def test_tightening_a_target_moves_the_recommendation_to_a_less_aggressive_forma
     # Only the least-damaged formats pass a tight KL limit.
     tight = card_with(mixed_run, "--max-kld", str(kld[1] * 1.0001), "--max-ppl-increase", "1000")["decision"]
     assert loose["recommended"] and tight["recommended"]
-    # Every format meets the loose limit, so the least aggressive wins; under the tight one the winner can only be
-    # at least as conservative, and every format that lost names the missed target with both numbers.
-    assert bits[tight["recommended"]] <= bits[loose["recommended"]] or tight["recommended"] == loose["recommended"]
+    # Every format meets the loose limit, so the least aggressive wins; under the tight one, the least aggressive
+    # of the formats whose KL is within it, and every other names the missed target with both numbers.
+    assert loose["recommended"] == min(card["formats"], key=lambda e: (-e["bits_per_weight"], e["key"]))["key"]
+    within = [e for e in card["formats"] if e["metrics"]["kld_mean"] <= kld[1] * 1.0001]
+    assert tight["recommended"] == min(within, key=lambda e: (-e["bits_per_weight"], e["key"]))["key"]
+    assert bits[tight["recommended"]] <= bits[loose["recommended"]]
     for verdict in tight["verdicts"]:
         if verdict["outcome"] == "misses targets":
             assert re.search(r"missed kld_mean [0-9.e-]+ \(target <= [0-9.e-]+\)", verdict["reason"]), verdict
@@ -100,17 +103,20 @@ def test_memory_fit_on_a_gpu(mixed_run):
     [
         (["--max-size", "-1"], "--max-size-gb must not be negative"),
         (["--gpu", "Voodoo 2"], "unknown GPU 'Voodoo 2'"),
-        (["--runtime", "ollama"], None),
         (["--min-top1-agreement", "1.5"], "between 0 and 1"),
         (["--min-task-recovery", "arc_easy"], "TASK=PCT pairs"),
     ],
 )
 def test_impossible_targets(mixed_run, flags, message):
     result = quantforge_cli("card", str(mixed_run), *flags)
-    if message is None:
-        assert result.returncode == 0  # GGUF formats run in Ollama
-        return
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_a_runtime_counts_only_the_formats_that_run_in_it(mixed_run):
+    decision = card_with(mixed_run, "--runtime", "ollama", "--max-ppl-increase", "1000")["decision"]
+    outcomes = {v["key"]: v["outcome"] for v in decision["verdicts"]}
+    assert {k for k, o in outcomes.items() if o == "excluded"} == {"int8", "gptq-int8", "gptq-int4", "awq"}
+    assert decision["recommended"] == "gguf-q8_0"  # the least aggressive of the two GGUF files, both within 1000%
 
 
 def test_a_runtime_no_format_serves(tiny_run):

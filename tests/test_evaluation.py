@@ -66,7 +66,9 @@ def test_speed_probe_and_roofline(tiny_run):
         assert speed["measured"], key
         assert speed["runtime"] == ("transformers" if key == "reference" else "llama.cpp")
         assert speed["prompt_tps"] > 0 and speed["decode_tps"] > 0 and speed["ttft_s"] > 0
-        assert speed["tpot_s"] == pytest.approx(1 / speed["decode_tps"], rel=0.01)
+        # the first token comes after the whole prompt was processed, and after at least one decode step's worth
+        assert speed["ttft_s"] >= speed["prompt_tokens"] / speed["prompt_tps"] * 0.99
+        assert speed["ttft_s"] < speed["prompt_tokens"] / speed["prompt_tps"] + 10 * speed["tpot_s"]
         assert speed["peak_rss_mb"] > 50
         # Decoding cannot beat reading every weight once per token at the measured bandwidth.
         assert speed["host_decode_tps_bound"] > speed["decode_tps"]
@@ -106,7 +108,8 @@ def test_unknown_task_is_a_clear_error(tiny_llama, tmp_path):
     )
     assert result.returncode == 2
     assert (
-        "error: unknown task 'mmlu_pro'; known tasks: arc_easy, hellaswag, lambada, piqa, winogrande" in result.stderr
+        "error: unknown task 'mmlu_pro'; known tasks: arc_easy, gsm8k, hellaswag, lambada, piqa, winogrande"
+        in result.stderr
     )
 
 

@@ -59,6 +59,16 @@ def test_readme_build_of_the_bundled_model(tmp_path):
     assert decision["recommended"] is not None
     assert {v["key"] for v in decision["verdicts"]} == set(metrics)
     assert "recommended: " in result.stdout
+    # Every figure the decision reads has its interval, and every check says met, missed or within noise.
+    markdown = (run / "card.md").read_text()
+    assert "Intervals in brackets are 95%" in markdown
+    for entry in card["formats"]:
+        assert {"perplexity_increase_pct", "kld_mean", "top1_agreement"} <= set(entry["intervals"])
+    for verdict in decision["verdicts"]:
+        for check in verdict["checks"]:
+            assert check["status"] in ("met", "missed", "within noise")
+            if check["status"] == "within noise":
+                assert "within noise" in verdict["reason"] and "would settle it" in verdict["reason"]
 
 
 def test_gguf_parity_script_reports_identical_tensors():
