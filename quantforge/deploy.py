@@ -12,7 +12,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from .errors import QuantforgeError
+from .errors import QuantforgeError, one_line
 from .gpus import GPUS
 
 GPU_UTILIZATION = 0.90
@@ -133,8 +133,7 @@ def _render(template: str, messages: list[dict], add_generation_prompt: bool, sp
             [messages], chat_template=template, add_generation_prompt=add_generation_prompt, **variables
         )
     except Exception as exc:  # jinja2's SecurityError, TemplateError, and whatever the template's own code raises
-        first_line = (str(exc).strip().splitlines() or [""])[0]
-        raise QuantforgeError(f"the chat template failed to render ({type(exc).__name__}: {first_line})") from None
+        raise QuantforgeError(f"the chat template failed to render ({one_line(exc)})") from None
     text = rendered[0]
     # llama.cpp (and so Ollama) adds BOS itself when the GGUF says so; a template that writes it would double it
     bos = special.get("bos_token")

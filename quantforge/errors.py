@@ -76,3 +76,9 @@ def interrupts_kept():
         signal.signal(signal.SIGINT, previous)
     if noted:
         raise KeyboardInterrupt
+
+
+def one_line(exc: BaseException) -> str:
+    """ "TypeName: first line of the message": how a library's exception is named in a one-line error."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"

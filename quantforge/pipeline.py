@@ -706,9 +706,10 @@ class Build:
         def produce():
             command = [sys.executable, "-m", "quantforge.probe", "--bandwidth", "--threads", str(threads)]
             with self.ui.task("measure memory bandwidth"):
-                done = subprocess.run(
-                    [*command, "--buffer-bytes", str(buffer_bytes)], capture_output=True, text=True, check=True
-                )
+                done = subprocess.run([*command, "--buffer-bytes", str(buffer_bytes)], capture_output=True, text=True)
+                if done.returncode != 0:
+                    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                    raise QuantforgeError(f"the memory-bandwidth probe failed (exit {done.returncode}): {last}")
                 facts = {
                     "bandwidth_gbs": round(json.loads(done.stdout.splitlines()[-1])["bandwidth_gbs"], 2),
                     "method": f"numpy copy of {buffer_bytes >> 20} MB over {threads} thread(s), best of 5",

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import QuantforgeError
+from .errors import QuantforgeError, one_line
 from .fsutil import atomic_output, atomic_write_json, atomic_write_text, sha256_file
 
 PUSH_RECORD = "push.json"
@@ -172,11 +172,6 @@ def _digests(upload: Upload) -> dict[str, str]:
     return {name: sha256_file(path) for name, path in sorted(upload.files.items())}
 
 
-def _short(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".strip()
-
-
 def _push_one(api, upload: Upload, private: bool, message: str) -> str:
     from huggingface_hub import CommitOperationAdd
 
@@ -236,13 +231,13 @@ def push_run(
                     "to that namespace; files on disk are intact"
                 ) from None
             raise QuantforgeError(
-                f"push to {upload.repo_id} failed ({_short(exc)}); files on disk are intact: run the same command "
+                f"push to {upload.repo_id} failed ({one_line(exc)}); files on disk are intact: run the same command "
                 "again to resume"
             ) from None
         except (OSError, RuntimeError, ValueError, httpx.HTTPError) as exc:  # dropped, refused, timed out, malformed
             cause = exc.__cause__ or exc
             raise QuantforgeError(
-                f"push to {upload.repo_id} failed ({_short(cause)}); files on disk are intact: run the same command "
+                f"push to {upload.repo_id} failed ({one_line(cause)}); files on disk are intact: run the same command "
                 "again to resume (what the Hub already holds is not uploaded again)"
             ) from None
         record[upload.repo_id] = {

@@ -21,7 +21,7 @@ from typing import Callable
 
 import yaml
 
-from .errors import QuantforgeError
+from .errors import QuantforgeError, one_line
 from .recipes import SCHEMA as RECIPE_SCHEMA
 from .recipes import _check, read_yaml_text
 
@@ -320,15 +320,10 @@ class LocalExecutor:
                 except QuantforgeError as exc:
                     outcome = Outcome(unit, "failed", str(exc))
                 except Exception as exc:  # noqa: BLE001 - one model's crash must not stop the others
-                    outcome = Outcome(unit, "failed", _one_line(exc))
+                    outcome = Outcome(unit, "failed", one_line(exc))
             outcomes[unit.id] = outcome
             report(outcome)
         return list(outcomes.values())
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 class RayExecutor:
@@ -393,10 +388,10 @@ class RayExecutor:
                 outcome = Outcome(unit, "done")
             except ray.exceptions.RayTaskError as exc:
                 cause = getattr(exc, "cause", None) or exc
-                reason = str(cause) if isinstance(cause, QuantforgeError) else _one_line(cause)
+                reason = str(cause) if isinstance(cause, QuantforgeError) else one_line(cause)
                 outcome = Outcome(unit, f"not run: {failed[0]} failed") if failed else Outcome(unit, "failed", reason)
             except ray.exceptions.RayError as exc:  # the worker died more often than the task may be retried
-                outcome = Outcome(unit, "failed", _one_line(exc))
+                outcome = Outcome(unit, "failed", one_line(exc))
             outcomes[unit.id] = outcome
             report(outcome)
         return [outcomes[u.id] for u in units]
