@@ -167,7 +167,9 @@ def build_card(run_dir: Path, targets: Targets) -> dict:
     if not manifest.stage("reference"):
         command = manifest.data["plan"].get("command", "quantforge build ...")
         raise QuantforgeError(f"{run_dir} is unfinished: the reference was not evaluated; rerun: {command}")
-    problems = targets.problems()
+    from .backends import known_runtimes
+
+    problems = targets.problems(known_runtimes())
     if problems:
         raise QuantforgeError(problems[0])
     entries = _format_entries(manifest)
@@ -245,6 +247,8 @@ def build_card(run_dir: Path, targets: Targets) -> dict:
 
 def same_format_comparisons(card: dict) -> list[dict]:
     """Pairs of artifacts of one format made by different backends: which is closer to the reference, by how much."""
+    from .uncertainty import kld_ratio_interval
+
     complete = [e for e in card["formats"] if e.get("complete") and e["metrics"].get("kld_mean") is not None]
     pairs = []
     for index, first in enumerate(complete):
@@ -252,6 +256,9 @@ def same_format_comparisons(card: dict) -> list[dict]:
             if first["format"] != second["format"]:
                 continue
             better, worse = sorted((first, second), key=lambda e: e["metrics"]["kld_mean"])
+            interval = None
+            if better.get("per_window") and worse.get("per_window"):
+                interval = kld_ratio_interval(better["per_window"], worse["per_window"])
             pairs.append(
                 {
                     "format": first["format"],
@@ -259,6 +266,8 @@ def same_format_comparisons(card: dict) -> list[dict]:
                     "worse": worse["key"],
                     "size_ratio": better["size_bytes"] / worse["size_bytes"],
                     "kld_ratio": better["metrics"]["kld_mean"] / worse["metrics"]["kld_mean"],
+                    # 95%, paired over windows; when it holds 1, which file is closer is within noise
+                    "kld_ratio_interval": interval,
                     "ppl_increase_pct": [
                         better["metrics"]["perplexity_increase_pct"],
                         worse["metrics"]["perplexity_increase_pct"],

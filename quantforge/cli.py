@@ -13,12 +13,7 @@ import click
 
 from . import __version__
 from .errors import DISK_ADVICE, DISK_ERRORS, EXIT_FORMATS_FAILED, EXIT_INTERRUPTED, QuantforgeError
-
-
-def _split(value: str | None) -> list[str] | None:
-    if not value:
-        return None
-    return [item.strip() for item in value.split(",") if item.strip()]
+from .settings import click_options
 
 
 def _quiet_libraries() -> None:
@@ -155,63 +150,11 @@ def main() -> None:
 
 @main.command()
 @click.argument("model", required=False)
-@click.option("--revision", help="Hub branch, tag or commit of the model (default: the recipe's, or main).")
-@click.option(
-    "--formats",
-    help="Comma-separated formats (see 'quantforge formats'). Default: the recipe's, or gguf-q8_0,gguf-q5km,gguf-q4km.",
-)
-@click.option("--backend", "backends", help="Comma-separated backends, where more than one can make a format.")
 @click.option("--out", type=click.Path(path_type=Path), help="Run directory. Default: runs/<model name>.")
 @click.option("--recipe", "recipe_file", type=click.Path(path_type=Path), help="A recipe YAML file.")
 @click.option("--force", is_flag=True, help="Redo every stage, even those finished with the same inputs.")
-@click.option(
-    "--eval-text",
-    help="Perplexity text: a name (wikitext2, pydoc; 'auto' = wikitext2 if it can be "
-    "had, else pydoc) or a local .txt/.jsonl file.",
-)
-@click.option("--ppl-context", type=int, help="Tokens per perplexity window (default 512).")
-@click.option("--ppl-windows", type=int, help="Number of perplexity windows (default 16).")
+@click_options
 @target_options
-@click.option("--threads", type=int, help="CPU threads for quantization and evaluation (default: all cores).")
-@click.option(
-    "--tasks",
-    "task_names",
-    help="Comma-separated lm-eval tasks (arc_easy, hellaswag, piqa, winogrande, lambada; all five when only "
-    "--tasks-data is given; gsm8k: greedy generation, exact match).",
-)
-@click.option("--tasks-data", type=click.Path(path_type=Path), help="Folder holding the tasks' data files.")
-@click.option("--limit", type=int, help="Examples per task (default: all).")
-@click.option("--speed/--no-speed", default=True, help="Run the decode-speed probe (default on).")
-@click.option("--prompt-tokens", type=int, default=128, show_default=True, help="Speed probe prompt length.")
-@click.option("--gen-tokens", type=int, default=64, show_default=True, help="Speed probe generated tokens.")
-@click.option(
-    "--calibration",
-    help="Calibration set: a name (c4, wikitext2-train, pile-val, stdlib-docstrings; "
-    "'auto' = c4 if it can be had, else stdlib-docstrings) or a local .txt/.jsonl file.",
-)
-@click.option("--calib-samples", type=int, help="Calibration sequences (default 128).")
-@click.option("--calib-seqlen", type=int, help="Tokens per calibration sequence (default 512).")
-@click.option(
-    "--group-size",
-    help="Quantization group size for GPTQ/AWQ (default 128), or 'auto': the largest "
-    "of 128/64/32/16 that divides every layer width.",
-)
-@click.option("--act-order/--no-act-order", default=None, help="GPTQ activation order (desc_act); default off.")
-@click.option(
-    "--layer-resume",
-    is_flag=True,
-    default=None,
-    help="Let GPTQModel resume a killed quantization at the "
-    "layer where it stopped (llama models); faster, but the bytes then differ from an uninterrupted run.",
-)
-@click.option("--allow-pickle", is_flag=True, help="Allow pickle (.bin) weights, which can run code when loaded.")
-@click.option("--trust-remote-code", is_flag=True, help="Allow the model repo's own Python code to run.")
-@click.option(
-    "--device",
-    default="auto",
-    show_default=True,
-    help="Where torch work runs (reference, dequantized evaluation, torch quantizers): auto, cpu, cuda, cuda:N.",
-)
 @click.option(
     "--plan-only",
     is_flag=True,
@@ -225,74 +168,21 @@ def main() -> None:
 )
 @push_options
 @click.option("--json", "as_json", is_flag=True, help="Print the card as JSON on stdout.")
-def build(
-    model,
-    revision,
-    formats,
-    backends,
-    out,
-    recipe_file,
-    force,
-    eval_text,
-    ppl_context,
-    ppl_windows,
-    threads,
-    task_names,
-    tasks_data,
-    limit,
-    speed,
-    prompt_tokens,
-    gen_tokens,
-    calibration,
-    calib_samples,
-    calib_seqlen,
-    group_size,
-    act_order,
-    layer_resume,
-    allow_pickle,
-    trust_remote_code,
-    device,
-    plan_only,
-    push_to_hub,
-    private,
-    gguf_repos,
-    split_size,
-    as_json,
-    **targets,
-):
+def build(model, out, recipe_file, force, plan_only, push_to_hub, private, gguf_repos, split_size, as_json, **rest):
     """Fetch MODEL (a recipe, Hub id, local folder or bundled model), quantize, evaluate, write the card."""
     from .pipeline import BuildRequest
     from .pipeline import build as run_build
+    from .settings import BY_NAME, from_command_line
     from .ui import UI
 
+    settings = from_command_line({name: rest.pop(name) for name in list(rest) if name in BY_NAME})
     request = BuildRequest(
         model=model,
-        revision=revision,
-        formats=_split(formats),
-        backends=_split(backends),
         out=out,
         recipe_file=recipe_file,
         force=force,
-        eval_text=eval_text,
-        ppl_context=ppl_context,
-        ppl_windows=ppl_windows,
-        targets=target_overrides(**targets),
-        threads=threads,
-        tasks=_split(task_names),
-        tasks_data=tasks_data,
-        limit=limit,
-        speed=speed,
-        prompt_tokens=prompt_tokens,
-        gen_tokens=gen_tokens,
-        calibration=calibration,
-        calib_samples=calib_samples,
-        calib_seqlen=calib_seqlen,
-        group_size=group_size,
-        act_order=act_order,
-        layer_resume=layer_resume,
-        allow_pickle=allow_pickle,
-        trust_remote_code=trust_remote_code,
-        device=device,
+        targets=target_overrides(**rest),
+        settings=settings,
         command="quantforge " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
     )
     if plan_only:
@@ -385,12 +275,20 @@ def _print_card(card: dict, as_json: bool, ui) -> None:
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="A llama-cpp-python sdist already downloaded (default: fetch it with pip).",
 )
-def setup(sdist):
+@click.option(
+    "--tools", is_flag=True, help="Also build llama.cpp's llama-imatrix and llama-quantize (imatrix GGUFs; minutes)."
+)
+def setup(sdist, tools):
     """Fetch llama.cpp's GGUF converter for the installed llama-cpp-python into the cache (once; then offline)."""
     from .llamacpp_convert import describe, install_converter, supported_architectures
 
     folder = install_converter(sdist)
     click.echo(f"{describe()}: {folder} ({len(supported_architectures())} architectures)")
+    if tools:
+        from .llamacpp_tools import build_tools
+
+        for name, path in build_tools(sdist=sdist, log=lambda line: click.echo(line, err=True)).items():
+            click.echo(f"{name}: {path}")
 
 
 @main.command()

@@ -41,6 +41,8 @@ class Target:
         return f"{self.metric} {_fmt(value)}{self.unit} (target {sign} {_fmt(self.limit)}{self.unit})"
 
 
+# The runtimes of quantforge's own backends; a build or card checks against those of the loaded backends
+# (backends.known_runtimes), so a plugin's runtime is a valid --runtime too.
 RUNTIMES = ("any", "vllm", "transformers", "llama.cpp", "ollama")
 
 
@@ -58,8 +60,8 @@ class Targets:
     concurrency: int = 1  # sequences at once (with --gpu)
     runtime: str = "any"
 
-    def problems(self) -> list[str]:
-        """Targets that cannot be met by any measurement, as one-line messages."""
+    def problems(self, runtimes: tuple[str, ...] = RUNTIMES) -> list[str]:
+        """Targets that cannot be met by any measurement, as one-line messages (``runtimes``: the known ones)."""
         problems = []
         for name in ("max_ppl_increase", "max_kld", "max_size_gb", "min_decode_tps"):
             value = getattr(self, name)
@@ -74,8 +76,8 @@ class Targets:
                 problems.append(f"{label} is a percentage of the reference's accuracy, 0-200 (got {value})")
         if self.context < 1 or self.concurrency < 1:
             problems.append("--context and --concurrency must be at least 1")
-        if self.runtime not in RUNTIMES:
-            problems.append(f"unknown runtime '{self.runtime}'; choose one of {', '.join(RUNTIMES)}")
+        if self.runtime not in runtimes:
+            problems.append(f"unknown runtime '{self.runtime}'; choose one of {', '.join(runtimes)}")
         return problems
 
     def limits(self, usable_gpu_gb: float | None = None) -> list[Target]:

@@ -36,9 +36,12 @@ def _same_format_comparisons(card: dict) -> list[str]:
     lines = []
     for pair in card.get("same_format", []):
         size = "the same size" if abs(pair["size_ratio"] - 1) < 0.01 else f"{pair['size_ratio']:.3f}x the size"
+        interval = pair.get("kld_ratio_interval")
+        spread = f" [{interval['low']:.2f}, {interval['high']:.2f}]" if interval else ""
+        noise = " (within noise: the interval holds 1)" if interval and interval["high"] >= 1 else ""
         lines.append(
             f"Same format, two backends: **{pair['better']}** is closer to the reference than {pair['worse']} at "
-            f"{size}: mean KL divergence {pair['kld_ratio']:.2f}x, perplexity change "
+            f"{size}: mean KL divergence {pair['kld_ratio']:.2f}x{spread}{noise}, perplexity change "
             f"{pair['ppl_increase_pct'][0]:+.2f}% against {pair['ppl_increase_pct'][1]:+.2f}%."
         )
     return [""] + lines if lines else []

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from . import __version__
-from .backends import Choice, QuantizeJob, load_backends, resolve_formats
+from .backends import Choice, QuantizeJob, known_runtimes, load_backends, resolve_formats
 from .calibration import CalibrationSettings
 from .card import write_card
 from .decide import Targets
@@ -28,44 +28,30 @@ from .fsutil import atomic_output, atomic_write_json, remove_path
 from .logs import capture_output, follow_progress
 from .manifest import Manifest, RunLock, clean_partials, run_stage
 from .recipes import Recipe, find_recipe, known_recipes, load_recipe
+from .settings import BY_NAME as SETTING_NAMES
+from .settings import resolve as resolve_settings
 from .source import ModelSpec, SourceModel, fetch, parse_model_ref
 from .ui import UI
-
-DEFAULT_FORMATS = ["gguf-q8_0", "gguf-q5km", "gguf-q4km"]
 
 
 @dataclass
 class BuildRequest:
-    """What the user asked for on the command line; None means "use the recipe's value or the default"."""
+    """What the user asked for: the model, where the run goes, and the build settings given on the command line
+    or in a release file (``settings``: name -> value, None or absent = the recipe's value or the default; see
+    settings.SETTINGS). ``request.<setting name>`` reads one of them."""
 
     model: str | None
-    revision: str | None = None  # a Hub branch, tag or commit (the recipe's or "main" when None)
-    formats: list[str] | None = None
-    backends: list[str] | None = None
     out: Path | None = None
     recipe_file: Path | None = None
     force: bool = False
-    eval_text: str | None = None
-    ppl_context: int | None = None
-    ppl_windows: int | None = None
     targets: dict = field(default_factory=dict)  # overrides of the recipe's targets (see decide.Targets)
-    threads: int | None = None
-    tasks: list[str] | None = None
-    tasks_data: Path | None = None
-    speed: bool = True
-    prompt_tokens: int = 128
-    gen_tokens: int = 64
-    limit: int | None = None
-    calibration: str | None = None
-    calib_samples: int | None = None
-    calib_seqlen: int | None = None
-    group_size: str | None = None
-    act_order: bool | None = None
-    layer_resume: bool | None = None
-    allow_pickle: bool = False
-    trust_remote_code: bool = False
-    device: str | None = None  # auto, cpu, cuda, cuda:N (see device.py)
+    settings: dict = field(default_factory=dict)
     command: str = "quantforge build"
+
+    def __getattr__(self, name: str):
+        if name in SETTING_NAMES:
+            return self.__dict__.get("settings", {}).get(name)
+        raise AttributeError(name)
 
 
 @dataclass
@@ -85,6 +71,7 @@ class Plan:
     threads: int
     request: BuildRequest
     device: str = "cpu"  # where torch work runs, resolved from --device
+    settings: dict = field(default_factory=dict)  # every build setting, resolved (settings.SETTINGS)
 
     @property
     def needs_calibration(self) -> bool:
@@ -118,8 +105,8 @@ class Plan:
             "targets": self.targets.to_json(),
             "threads": self.threads,
             "device": self.device,
-            "trust_remote_code": self.request.trust_remote_code,
-            "allow_pickle": self.request.allow_pickle,
+            "trust_remote_code": bool(self.settings.get("trust_remote_code")),
+            "allow_pickle": bool(self.settings.get("allow_pickle")),
         }
 
 
@@ -136,7 +123,7 @@ def make_plan(request: BuildRequest) -> Plan:
     if request.model is None and recipe is None:
         raise QuantforgeError("name a model (a recipe, a Hub id, a local folder) or pass --recipe FILE")
     if recipe is not None and (request.model is None or request.model == recipe.name):
-        spec = parse_model_ref(recipe.model, name=recipe.name, revision=_first(request.revision, recipe.revision))
+        spec = parse_model_ref(recipe.model, name=recipe.name, revision=_first(request.revision, recipe.revision()))
     else:
         spec = parse_model_ref(request.model, revision=request.revision)
     if spec.kind == "unknown":
@@ -144,38 +131,29 @@ def make_plan(request: BuildRequest) -> Plan:
             f"unknown model '{spec.target}': not a recipe ({', '.join(sorted(known_recipes()))}), "
             "not an existing folder, and not a Hub id of the form org/name"
         )
-    recipe_eval = recipe.eval if recipe else {}
-    recipe_targets = recipe.targets if recipe else {}
-    formats = request.formats or (recipe.formats if recipe else None) or DEFAULT_FORMATS
-    backends = request.backends or (recipe.backends if recipe else None) or None
-    choices = resolve_formats(formats, backends, load_backends())
-    eval_settings = EvalSettings(
-        text=_first(request.eval_text, recipe_eval.get("text"), "auto"),
-        context=_first(request.ppl_context, recipe_eval.get("context"), 512),
-        windows=_first(request.ppl_windows, recipe_eval.get("windows"), 16),
-    )
+    values = resolve_settings(request.settings, recipe.settings() if recipe else {})
+    choices = resolve_formats(values["formats"], values["backends"], load_backends())
+    eval_settings = EvalSettings(text=values["eval_text"], context=values["ppl_context"], windows=values["ppl_windows"])
     if eval_settings.context < 16 or eval_settings.windows < 1:
         raise QuantforgeError("--ppl-context must be at least 16 tokens and --ppl-windows at least 1")
-    recipe_calibration = recipe.calibration if recipe else {}
     calibration = CalibrationSettings(
-        dataset=_first(request.calibration, recipe_calibration.get("dataset"), "auto"),
-        samples=_first(request.calib_samples, recipe_calibration.get("samples"), 128),
-        seqlen=_first(request.calib_seqlen, recipe_calibration.get("seqlen"), 512),
-        seed=recipe_calibration.get("seed", 0),
+        dataset=values["calibration"],
+        samples=values["calib_samples"],
+        seqlen=values["calib_seqlen"],
+        seed=values["calib_seed"],
     )
     if calibration.samples < 1 or calibration.seqlen < 8:
         raise QuantforgeError("--calib-samples must be at least 1 and --calib-seqlen at least 8")
-    recipe_quantize = recipe.quantize if recipe else {}
-    group_size = _first(request.group_size, recipe_quantize.get("group_size"), 128)
+    group_size = values["group_size"]
     if str(group_size) != "auto" and not str(group_size).isdigit():
         raise QuantforgeError(f"--group-size must be a number or 'auto', not {group_size!r}")
     quantize = {
         "group_size": "auto" if str(group_size) == "auto" else int(group_size),
-        "act_order": bool(_first(request.act_order, recipe_quantize.get("act_order"), False)),
-        "layer_resume": bool(_first(request.layer_resume, recipe_quantize.get("layer_resume"), False)),
+        "act_order": bool(values["act_order"]),
+        "layer_resume": bool(values["layer_resume"]),
     }
-    targets = Targets(**{**recipe_targets, **request.targets})
-    problems = targets.problems()
+    targets = Targets(**{**(recipe.targets if recipe else {}), **request.targets})
+    problems = targets.problems(known_runtimes())
     if problems:
         raise QuantforgeError(problems[0])
     if targets.gpu:
@@ -185,24 +163,24 @@ def make_plan(request: BuildRequest) -> Plan:
     run_dir = (request.out or Path("runs") / spec.name).resolve()
     if run_dir.exists() and not run_dir.is_dir():
         raise QuantforgeError(f"--out {run_dir} is a file; give a folder for the run (it is created when missing)")
-    threads = request.threads or recipe_eval.get("threads") or os.cpu_count() or 1
+    threads = values["threads"] or os.cpu_count() or 1
     for choice in choices:
         reason = choice.backend.unavailable_reason()
         if reason:
             raise QuantforgeError(f"format {choice.format.name} needs backend {choice.backend.name}: {reason}")
-    tasks = plan_tasks(request, recipe_eval)
+    tasks = plan_tasks(values)
     speed = None
-    if request.speed:
+    if values["speed"]:
         speed = {
-            "prompt_tokens": min(request.prompt_tokens, eval_settings.context),
-            "gen_tokens": request.gen_tokens,
+            "prompt_tokens": min(values["prompt_tokens"], eval_settings.context),
+            "gen_tokens": values["gen_tokens"],
             "runs": 3,
         }
         if speed["prompt_tokens"] < 1 or speed["gen_tokens"] < 2:
             raise QuantforgeError("--prompt-tokens must be at least 1 and --gen-tokens at least 2")
     from .device import resolve_device
 
-    device = resolve_device(request.device)
+    device = resolve_device(values["device"])
     return Plan(
         spec,
         recipe,
@@ -217,20 +195,20 @@ def make_plan(request: BuildRequest) -> Plan:
         threads,
         request,
         device,
+        values,
     )
 
 
-def plan_tasks(request: BuildRequest, recipe_eval: dict) -> dict:
+def plan_tasks(values: dict) -> dict:
     """Which lm-eval tasks run, on what data; checked now so a bad task name costs nothing."""
     from .fsutil import sha256_file
     from .tasks import DEFAULT_TASKS, data_file
 
-    names = request.tasks or recipe_eval.get("tasks")
-    data = request.tasks_data or (Path(recipe_eval["tasks_data"]) if recipe_eval.get("tasks_data") else None)
+    names, data = values["tasks"], values["tasks_data"]
     if names is None and data is not None:
         names = list(DEFAULT_TASKS)
     names = names or []
-    limit = _first(request.limit, recipe_eval.get("limit"))
+    limit = values["limit"]
     if limit is not None and limit < 1:
         raise QuantforgeError("--limit must be at least 1")
     files = {name: sha256_file(data_file(name, data)) for name in names}
@@ -267,8 +245,24 @@ class LazyRunner:
             self.runner = None
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """What every format of a run shares, as the prepare stages made it: the evaluation windows, the stored
+    reference, the calibration set (None when no format calibrates)."""
+
+    windows: np.ndarray
+    reference: Path
+    calibration: Path | None
+
+
 class Build:
-    """One build of one model into a run directory."""
+    """One build of one model into a run directory.
+
+    Run order: ``session`` (lock, fetch, checks, plan) -> ``prepare`` (tokens, reference and its tasks and speed,
+    calibration) -> per format ``make`` (intermediates, quantize) and ``measure`` (evaluate, tasks, speed) -> ``card``.
+    Each stage runs once per process; later stages get what earlier ones made as arguments (``Prepared``), or, in a
+    release unit that did not prepare, from the paths the manifest recorded.
+    """
 
     def __init__(self, plan: Plan, ui: UI):
         self.plan = plan
@@ -276,15 +270,15 @@ class Build:
         self.run_dir = plan.run_dir
         self.manifest: Manifest | None = None
         self.source: SourceModel | None = None
-        self._forced: set[str] = set()
+        self._intermediates_made: set[str] = set()  # shared files staged in this process (one stage per name)
+        self._host: dict | None = None
         self.failures: dict[str, dict] = {}  # format key -> what failed (see failures.describe_failure)
         self._host_speed = None  # resources.HostSpeed, measured once per build
 
     # -- stage plumbing ---------------------------------------------------------------------------------------
 
     def stage(self, key: str, description: str, *, inputs: dict, settings: dict, outputs: list[Path], produce):
-        force = self.plan.request.force and key not in self._forced
-        self._forced.add(key)
+        force = self.plan.request.force
         result = run_stage(
             self.manifest, key, inputs=inputs, settings=settings, outputs=outputs, produce=produce, force=force
         )
@@ -299,7 +293,7 @@ class Build:
             self.source.path,
             threads=self.plan.threads,
             device=self.plan.device,
-            trust_remote_code=self.plan.request.trust_remote_code,
+            trust_remote_code=self.plan.settings["trust_remote_code"],
         )
 
     def progress_path(self, key: str, inputs: dict) -> Path:
@@ -339,8 +333,8 @@ class Build:
         with self.ui.task(f"fetch {spec.target}") as advance:
             return fetch(
                 spec,
-                allow_pickle=self.plan.request.allow_pickle,
-                trust_remote_code=self.plan.request.trust_remote_code,
+                allow_pickle=self.plan.settings["allow_pickle"],
+                trust_remote_code=self.plan.settings["trust_remote_code"],
                 log=self.ui.log,
                 progress=advance,
             )
@@ -406,7 +400,7 @@ class Build:
         from .backends import library_version
 
         try:
-            AutoConfig.from_pretrained(self.source.path, trust_remote_code=self.plan.request.trust_remote_code)
+            AutoConfig.from_pretrained(self.source.path, trust_remote_code=self.plan.settings["trust_remote_code"])
         except Exception as exc:  # noqa: BLE001 - transformers raises ValueError, KeyError, OSError ... here
             # Its first sentence names the problem (an unknown model type, say); the rest is upgrade advice.
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0][:300]
@@ -568,25 +562,40 @@ class Build:
     def intermediate_path(self, name: str, suffix: str) -> Path:
         return self.run_dir / "work" / f"{self.source.name}-{name}{suffix}"
 
-    def intermediates(self, choice: Choice) -> None:
-        """Files the format's backend shares between formats (the F16 GGUF), each made once and recorded, before
-        the format's own quantize stage (whose time and memory then are its own)."""
-        log_dir = self.run_dir / "logs"
-        for name, (suffix, make) in choice.backend.intermediates(choice.format).items():
-            path = self.intermediate_path(name, suffix)
+    def intermediates(self, choice: Choice, calibration: Path | None) -> None:
+        """Files the format's backend shares between formats (the F16 GGUF, an importance matrix), each made once
+        and recorded, before the format's own quantize stage (whose time and memory then are its own)."""
+        for name, shared in choice.backend.intermediates(choice.format).items():
+            if name in self._intermediates_made:
+                continue
+            self._intermediates_made.add(name)
+            path = self.intermediate_path(name, shared.suffix)
 
-            def produce(path=path, make=make, name=name):
+            def produce(path=path, shared=shared, name=name):
                 with self.ui.task(f"build {name}"), atomic_output(path) as tmp:
-                    return make(self.source, tmp, log_dir) or {}
+                    job = self.quantize_job(choice, tmp, calibration if shared.uses_calibration else None)
+                    return shared.build(job) or {}
 
-            self.stage(
-                f"intermediate/{name}",
-                None,
-                inputs={"source": self.digest("fetch")},
-                settings={},
-                outputs=[path],
-                produce=produce,
-            )
+            inputs = {"source": self.digest("fetch")}
+            inputs.update({need: self.digest(f"intermediate/{need}") for need in shared.needs})
+            if shared.uses_calibration:
+                inputs["calibration"] = self.digest("calibration")
+            self.stage(f"intermediate/{name}", None, inputs=inputs, settings={}, outputs=[path], produce=produce)
+
+    def quantize_job(self, choice: Choice, out: Path, calibration: Path | None, checkpoint_dir: Path | None = None):
+        return QuantizeJob(
+            self.source,
+            choice.format,
+            self.plan.quantize,
+            out,
+            self.recorded_intermediate,
+            self.run_dir / "logs",
+            calibration=calibration,
+            threads=self.plan.threads,
+            device=self.plan.device,
+            log=self.ui.log,
+            checkpoint_dir=checkpoint_dir,
+        )
 
     def recorded_intermediate(self, name: str) -> Path:
         record = self.manifest.stage(f"intermediate/{name}")
@@ -608,19 +617,7 @@ class Build:
                 self.ui.task(f"quantize {choice.key} ({choice.backend.name})") as advance,
                 atomic_output(artifact_dir) as tmp,
             ):
-                job = QuantizeJob(
-                    self.source,
-                    choice.format,
-                    self.plan.quantize,
-                    tmp,
-                    self.recorded_intermediate,
-                    log_dir,
-                    calibration=calibration if uses_calibration else None,
-                    threads=self.plan.threads,
-                    device=self.plan.device,
-                    log=self.ui.log,
-                    checkpoint_dir=checkpoint_dir,
-                )
+                job = self.quantize_job(choice, tmp, calibration if uses_calibration else None, checkpoint_dir)
                 with (
                     capture_output(log),
                     follow_progress(log, choice.backend.progress_pattern, lambda done, total: advance(done, total + 1)),
@@ -721,7 +718,9 @@ class Build:
         # keyed by the machine: a run folder copied to another host measures that host
         machine = {"node": platform.node(), "machine": platform.machine(), "cpus": os.cpu_count()}
         settings = {"threads": threads, "buffer_bytes": buffer_bytes}
-        return self.stage("host", None, inputs=machine, settings=settings, outputs=[path], produce=produce).result
+        if self._host is None:
+            self._host = self.stage("host", None, inputs=machine, settings=settings, outputs=[path], produce=produce)
+        return self._host.result
 
     def speed(self, key: str, target, weight_bytes: int, prompt: np.ndarray, upstream: str) -> None:
         """Decode-speed probe in the format's own runtime (a separate process), set beside the roofline."""
@@ -825,11 +824,11 @@ class Build:
             yield
             self.manifest.save()
 
-    def prepare(self) -> None:
+    def prepare(self) -> Prepared:
         """What every format of the run shares: evaluation tokens, the reference, the calibration set."""
         windows = self.tokens()
         with LazyRunner(self.open_reference_runner, TASK_CONTEXT) as runner:
-            self.reference(windows, runner)
+            reference = self.reference(windows, runner)
             self.tasks("reference", runner, "fetch")
         if self.plan.speed:
             from .artifacts import tensor_bytes
@@ -837,48 +836,52 @@ class Build:
             self.speed(
                 "reference", ("transformers", self.source.path), tensor_bytes(self.source.path), windows[0], "fetch"
             )
-        self.calibration()
+        return Prepared(windows, reference, self.calibration())
 
-    def make(self, choice: Choice) -> None:
+    def prepared_earlier(self) -> Prepared:
+        """A release unit's view of its model's prepare unit: the files its finished stages recorded."""
+        keys = ["tokens", "reference"] + (["calibration"] if self.plan.needs_calibration else [])
+        missing = [key for key in keys if not self.manifest.stage(key)]
+        if missing:
+            raise QuantforgeError(f"{self.run_dir}: the prepare unit has not finished ({', '.join(missing)} missing)")
+        path = {key: self.run_dir / next(iter(self.manifest.stage(key)["outputs"])) for key in keys}
+        return Prepared(np.load(path["tokens"]), path["reference"], path.get("calibration"))
+
+    def make(self, choice: Choice, prepared: Prepared) -> None:
         self.refuse_unsupported(choice)
-        calibration = self.calibration()
         with self.contained(choice, "quantize"):
-            self.intermediates(choice)
-            self.quantize(choice, self.parameters, calibration)
+            self.intermediates(choice, prepared.calibration)
+            self.quantize(choice, self.parameters, prepared.calibration)
 
-    def measure(self, choice: Choice) -> None:
+    def measure(self, choice: Choice, prepared: Prepared) -> None:
         self.refuse_unsupported(choice)
         with self.contained(choice, "evaluate"):
-            self.evaluate_and_probe(choice)
+            self.evaluate(choice, prepared.windows, prepared.reference)
+            if self.plan.speed:
+                artifact_dir = self.run_dir / "artifacts" / choice.key
+                weight_bytes = self.manifest.stage(f"quantize/{choice.key}")["result"]["tensor_bytes"]
+                self.speed(
+                    choice.key,
+                    choice.backend.probe_target(artifact_dir),
+                    weight_bytes,
+                    prepared.windows[0],
+                    f"quantize/{choice.key}",
+                )
 
     def refuse_unsupported(self, choice: Choice) -> None:
         if choice.key in self.failures and self.failures[choice.key].get("stage") == "check":
             raise StageFailed(self.failures[choice.key]["line"], self.failures[choice.key])
-
-    def evaluate_and_probe(self, choice: Choice) -> None:
-        windows = self.tokens()
-        self.evaluate(choice, windows, self.reference(windows, LazyRunner(self.open_reference_runner, 0)))
-        if self.plan.speed:
-            artifact_dir = self.run_dir / "artifacts" / choice.key
-            weight_bytes = self.manifest.stage(f"quantize/{choice.key}")["result"]["tensor_bytes"]
-            self.speed(
-                choice.key,
-                choice.backend.probe_target(artifact_dir),
-                weight_bytes,
-                windows[0],
-                f"quantize/{choice.key}",
-            )
 
     def card(self) -> dict:
         return write_card(self.run_dir, self.plan.targets)
 
     def run(self) -> dict:
         with self.session():
-            self.prepare()
+            prepared = self.prepare()
             for choice in self.plan.choices:
                 try:
-                    self.make(choice)
-                    self.measure(choice)
+                    self.make(choice, prepared)
+                    self.measure(choice, prepared)
                 except StageFailed as failure:
                     if failure.record.get("stage") != "check":  # those were told up front
                         self.ui.log(f"[red]✗[/red] {failure}")
@@ -902,7 +905,8 @@ class Build:
             elif unit in ("quantize", "evaluate"):
                 self.failures = {**(self.manifest.data.get("failures") or {}), **self.failures}
                 try:
-                    self.make(choice) if unit == "quantize" else self.measure(choice)
+                    step = self.make if unit == "quantize" else self.measure
+                    step(choice, self.prepared_earlier())
                 except StageFailed as failure:
                     self.failures[choice.key] = failure.record
                     raise

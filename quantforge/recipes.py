@@ -12,38 +12,28 @@ import yaml
 
 from .errors import QuantforgeError
 from .paths import find_definitions
+from .settings import file_schema, from_file
 
-# key -> expected type, or a nested schema for a mapping. Types are checked; unknown keys are errors.
+# key -> expected type, or a nested schema for a mapping. Types are checked; unknown keys are errors. The build
+# settings' keys (formats, eval.*, quantize.*, calibration.*, ...) come from settings.SETTINGS.
+TARGETS_SCHEMA = {
+    "max_ppl_increase": (int, float),
+    "max_kld": (int, float),
+    "min_top1_agreement": (int, float),
+    "min_recovery": (int, float),
+    "max_size_gb": (int, float),
+    "min_decode_tps": (int, float),
+    "gpu": str,
+    "context": int,
+    "concurrency": int,
+    "runtime": str,
+}
 SCHEMA: dict = {
     "name": str,
     "description": str,
     "model": str,
-    "revision": str,
-    "formats": list,
-    "backends": list,
-    "eval": {
-        "text": str,
-        "context": int,
-        "windows": int,
-        "threads": int,
-        "tasks": list,
-        "tasks_data": str,
-        "limit": int,
-    },
-    "targets": {
-        "max_ppl_increase": (int, float),
-        "max_kld": (int, float),
-        "min_top1_agreement": (int, float),
-        "min_recovery": (int, float),
-        "max_size_gb": (int, float),
-        "min_decode_tps": (int, float),
-        "gpu": str,
-        "context": int,
-        "concurrency": int,
-        "runtime": str,
-    },
-    "quantize": {"group_size": (int, str), "act_order": bool, "layer_resume": bool},
-    "calibration": {"dataset": str, "samples": int, "seqlen": int, "seed": int},
+    **file_schema(),
+    "targets": TARGETS_SCHEMA,
     # The model's size, from its config.json, so `build --plan-only` can plan it before anything is downloaded.
     "size": {
         "parameters": int,
@@ -55,6 +45,7 @@ SCHEMA: dict = {
         "dtype": str,
     },
 }
+NOT_SETTINGS = ("name", "description", "model", "targets", "size")
 
 
 @dataclass
@@ -62,28 +53,25 @@ class Recipe:
     name: str
     model: str
     path: Path | None = None
-    revision: str | None = None
     description: str = ""
-    formats: list[str] = field(default_factory=list)
-    backends: list[str] = field(default_factory=list)
-    eval: dict = field(default_factory=dict)
     targets: dict = field(default_factory=dict)
-    quantize: dict = field(default_factory=dict)
-    calibration: dict = field(default_factory=dict)
     size: dict = field(default_factory=dict)
+    written: dict = field(default_factory=dict)  # the build settings as the file writes them (formats, eval: ...)
+
+    def settings(self) -> dict:
+        """name -> value of every build setting the recipe gives (see settings.SETTINGS)."""
+        return from_file(self.written)
+
+    def revision(self) -> str | None:
+        return self.written.get("revision")
 
     def to_json(self) -> dict:
         return {
             "name": self.name,
             "model": self.model,
-            "revision": self.revision,
             "path": str(self.path) if self.path else None,
-            "formats": self.formats,
-            "backends": self.backends,
-            "eval": self.eval,
+            **self.written,
             "targets": self.targets,
-            "quantize": self.quantize,
-            "calibration": self.calibration,
             "size": self.size,
         }
 
@@ -150,7 +138,16 @@ def load_recipe(path: Path) -> Recipe:
     data = _check(node, SCHEMA, path, "")
     if "model" not in data:
         raise QuantforgeError(f"{path}: the recipe has no 'model' key (a Hub id, a folder or bundled:NAME)")
-    return Recipe(path=path, name=data.get("name", path.stem), **{k: v for k, v in data.items() if k != "name"})
+    written = {key: value for key, value in data.items() if key not in NOT_SETTINGS}
+    return Recipe(
+        name=data.get("name", path.stem),
+        model=data["model"],
+        path=path,
+        description=data.get("description", ""),
+        targets=data.get("targets", {}),
+        size=data.get("size", {}),
+        written=written,
+    )
 
 
 def find_recipe(name: str) -> Recipe | None:

@@ -22,19 +22,12 @@ from typing import Callable
 import yaml
 
 from .errors import QuantforgeError, one_line
-from .recipes import SCHEMA as RECIPE_SCHEMA
-from .recipes import _check, read_yaml_text
+from .recipes import TARGETS_SCHEMA, _check, read_yaml_text
+from .settings import file_schema, from_file
 
 MODEL_SETTINGS = {
-    "formats": list,
-    "backends": list,
-    "eval": RECIPE_SCHEMA["eval"],
-    "targets": RECIPE_SCHEMA["targets"],
-    "quantize": RECIPE_SCHEMA["quantize"],
-    "calibration": RECIPE_SCHEMA["calibration"],
-    "speed": bool,
-    "revision": str,
-    "trust_remote_code": bool,
+    **file_schema(),  # the build settings (settings.SETTINGS), as in recipes
+    "targets": TARGETS_SCHEMA,
     # upload the model's finished artifacts after its card (see publish.py): to: ORG/NAME, private, gguf_repos, ...
     "push": {"to": str, "private": bool, "gguf_repos": str, "split_size": str},
 }
@@ -107,32 +100,11 @@ def build_request(release: Release, model: ReleaseModel):
     """The `quantforge build` request that a release makes for one model."""
     from .pipeline import BuildRequest
 
-    settings = model.settings
-    evaluation = settings.get("eval", {})
-    calibration = settings.get("calibration", {})
-    quantize = settings.get("quantize", {})
     return BuildRequest(
         model=model.model,
-        revision=settings.get("revision"),
-        formats=settings.get("formats"),
-        backends=settings.get("backends"),
         out=release.out / model.name,
-        eval_text=evaluation.get("text"),
-        ppl_context=evaluation.get("context"),
-        ppl_windows=evaluation.get("windows"),
-        threads=evaluation.get("threads"),
-        tasks=evaluation.get("tasks"),
-        tasks_data=Path(evaluation["tasks_data"]) if evaluation.get("tasks_data") else None,
-        limit=evaluation.get("limit"),
-        speed=settings.get("speed", True),
-        calibration=calibration.get("dataset"),
-        calib_samples=calibration.get("samples"),
-        calib_seqlen=calibration.get("seqlen"),
-        group_size=quantize.get("group_size"),
-        act_order=quantize.get("act_order"),
-        layer_resume=quantize.get("layer_resume"),
-        targets=settings.get("targets", {}),
-        trust_remote_code=settings.get("trust_remote_code", False),
+        targets=model.settings.get("targets", {}),
+        settings=from_file(model.settings),
         command=f"quantforge release {shlex.quote(str(release.path))}",
     )
 

@@ -67,6 +67,23 @@ def paired_bootstrap(per_window: dict, samples: int = BOOTSTRAP_SAMPLES, seed: i
     }
 
 
+def kld_ratio_interval(first: dict, second: dict, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> dict | None:
+    """A 95% interval on (mean KL of ``first``) / (mean KL of ``second``), two artifacts scored on the same
+    windows: the same paired bootstrap, each resample summing both over the same drawn windows. None when the
+    windows differ or there are fewer than two."""
+    if first["tokens"] != second["tokens"] or len(first["tokens"]) < 2:
+        return None
+    ours, theirs = np.asarray(first["kld"], dtype=np.float64), np.asarray(second["kld"], dtype=np.float64)
+    draws = np.random.default_rng(seed).integers(0, len(ours), size=(samples, len(ours)))
+    denominators = theirs[draws].sum(axis=1)
+    if (denominators <= 0).any():
+        return None
+    ratios = ours[draws].sum(axis=1) / denominators
+    tail = 100 * (1 - CONFIDENCE) / 2
+    low, high = np.percentile(ratios, [tail, 100 - tail])
+    return {"low": float(low), "high": float(high), "n": len(ours), "unit": "windows"}
+
+
 def point_figures(per_window: dict) -> dict[str, float]:
     """The figures of all windows together (equal to the evaluation's own means)."""
     sums = {name: np.asarray(values, dtype=np.float64).sum() for name, values in per_window.items()}

@@ -62,7 +62,9 @@ job = QuantizeJob(source, choice.format, {"group_size": int(sys.argv[4]), "act_o
 choice.backend.quantize(job)
 """
 
-REPORT = "import resource, sys; print('MAXRSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)"
+# Peak RSS from /proc/self/status VmHWM (kB), the high-water mark of this process's own memory since its exec:
+# ru_maxrss is not, as Linux carries over at exec the peak of the forked copy of a (large) parent.
+REPORT = "import sys; print('MAXRSS', next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')), file=sys.stderr)"
 
 
 def timed(args: list[str], env: dict | None = None) -> tuple[float, float]:

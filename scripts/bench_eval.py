@@ -39,6 +39,8 @@ def plain_transformers_nll(model_dir: Path, windows: np.ndarray, threads: int, b
 
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():  # warm-up, untimed: quantforge's side is timed warm too
+        model(input_ids=torch.as_tensor(windows[:batch], dtype=torch.long))
     started = time.perf_counter()
     total = 0.0
     with torch.inference_mode():
@@ -72,6 +74,8 @@ def llama_perplexity_tps(gguf: Path, text: Path, n_ctx: int, chunks: int, thread
                 str(n),
                 "-t",
                 str(threads),
+                "-fa",
+                "off",  # as quantforge evaluates (flash_attn=False); llama-perplexity's default is 'auto'
             ],
             capture_output=True,
             check=True,
@@ -131,6 +135,7 @@ def main() -> int:
         )
 
         llama = LlamaCppRunner(q4, context=args.ctx, threads=args.threads)
+        llama.logits(windows[0])  # warm-up, untimed (llama-perplexity's first chunk is subtracted out)
         ours_gguf = score_artifact(llama.logits, windows, refs)["eval_tokens_per_second"]
         llama.close()
         theirs = llama_perplexity_tps(q4, args.text, args.ctx, args.windows, args.threads)

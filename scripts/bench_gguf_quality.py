@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""GGUF quality at equal size: auto-round's calibrated rounding against llama.cpp's own quantizer.
+"""GGUF quality at equal size: auto-round's calibrated rounding against llama.cpp's own quantizer, plain and with
+an importance matrix (llama-imatrix on the same calibration set), the baseline GGUF publishers actually ship.
 
-Builds Q4_K_M and Q5_K_M with both backends in one quantforge run (same calibration set, same evaluation windows,
-all evaluated in llama.cpp) and prints, per format, the size and the ratios of the perplexity increase and the mean
-KL divergence of auto-round's file to llama.cpp's. Goal: <= 0.9x llama.cpp's loss at equal size.
+Builds Q4_K_M and Q5_K_M with the three backends in one quantforge run (same calibration set, same evaluation
+windows, all evaluated in llama.cpp) and prints, per format, each file's size, perplexity increase and mean KL
+divergence, and the KL ratios with their 95% paired-bootstrap intervals over windows. Goal: auto-round <= 0.9x the
+imatrix file's KL at equal size.
 
     python scripts/bench_gguf_quality.py                     # SmolLM2-135M, WikiText-2 test
     python scripts/bench_gguf_quality.py --model DIR --out runs/bench-gguf
@@ -44,7 +46,7 @@ def main() -> int:
             "--formats",
             "gguf-q4km,gguf-q5km",
             "--backend",
-            "llamacpp,autoround",
+            "llamacpp,imatrix,autoround",
             "--out",
             str(run),
             "--eval-text",
@@ -71,20 +73,29 @@ def main() -> int:
         f"{args.model}: {card['evaluation']['windows']} windows of {card['evaluation']['context']} tokens of "
         f"{card['evaluation']['text']['name']}; reference perplexity {card['reference']['perplexity']:.3f}"
     )
-    print(
-        f"{'format':<10} {'bytes (llama.cpp)':>18} {'bytes (auto-round)':>19} {'ppl +% l.cpp':>12} "
-        f"{'ppl +% a-r':>10} {'ppl ratio':>9} {'KLD l.cpp':>9} {'KLD a-r':>8} {'KLD ratio':>9}"
-    )
+    pairs = {(p["better"], p["worse"]): p for p in card["same_format"]}
+
+    def ratio(first: str, second: str) -> str:
+        """KL of ``first`` over KL of ``second`` with its interval, whichever way the card ordered the pair."""
+        if (first, second) in pairs:
+            pair = pairs[(first, second)]
+            value, interval = pair["kld_ratio"], pair["kld_ratio_interval"] or {}
+            low, high = interval.get("low", float("nan")), interval.get("high", float("nan"))
+        else:
+            pair = pairs[(second, first)]
+            value, interval = 1 / pair["kld_ratio"], pair["kld_ratio_interval"] or {}
+            low, high = 1 / interval.get("high", float("nan")), 1 / interval.get("low", float("nan"))
+        return f"{value:.3f} [{low:.3f}, {high:.3f}]"
+
+    print(f"{'file':<20} {'bytes':>12} {'ppl +%':>8} {'KLD':>8}")
     for fmt in ("gguf-q4km", "gguf-q5km"):
-        plain, calibrated = entries[fmt], entries[f"{fmt}@autoround"]
-        p, c = plain["metrics"], calibrated["metrics"]
-        print(
-            f"{fmt:<10} {plain['size_bytes']:>18,} {calibrated['size_bytes']:>19,} "
-            f"{p['perplexity_increase_pct']:>12.2f} {c['perplexity_increase_pct']:>10.2f} "
-            f"{c['perplexity_increase_pct'] / p['perplexity_increase_pct']:>9.3f} {p['kld_mean']:>9.4f} "
-            f"{c['kld_mean']:>8.4f} {c['kld_mean'] / p['kld_mean']:>9.3f}"
-        )
-    print("goal: ratios <= 0.9 at equal size")
+        for key in (fmt, f"{fmt}@imatrix", f"{fmt}@autoround"):
+            m, size = entries[key]["metrics"], entries[key]["size_bytes"]
+            print(f"{key:<20} {size:>12,} {m['perplexity_increase_pct']:>8.2f} {m['kld_mean']:>8.4f}")
+        print(f"  KLD imatrix / plain:       {ratio(f'{fmt}@imatrix', fmt)}")
+        print(f"  KLD auto-round / plain:    {ratio(f'{fmt}@autoround', fmt)}")
+        print(f"  KLD auto-round / imatrix:  {ratio(f'{fmt}@autoround', f'{fmt}@imatrix')}  (goal <= 0.9)")
+    print("intervals: 95%, paired bootstrap over the evaluation windows")
     return 0
 
 

@@ -29,19 +29,16 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from llamacpp_tools import source_tree  # noqa: E402
 
 from quantforge.backends.llamacpp import quantize_gguf  # noqa: E402
-from quantforge.llamacpp_convert import convert_hf_to_gguf  # noqa: E402
+from quantforge.llamacpp_convert import convert_hf_to_gguf, find_converter  # noqa: E402
 from quantforge.source import BUNDLED  # noqa: E402
 
 NAMING_PREFIX = "general."
 
 
 def run_llama_cpp_converter(model: Path, out: Path) -> None:
-    tree = source_tree()
+    tree = find_converter()  # llama.cpp's converter and its gguf-py, as vendored in llama-cpp-python
     env = {**os.environ, "PYTHONPATH": str(tree / "gguf-py")}  # its own gguf-py, not pip's gguf
     result = subprocess.run(
         [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(model), "--outtype", "f16", "--outfile", str(out)],

@@ -41,8 +41,10 @@ fi
 "${pip[@]}" -e ".[all]"
 
 # llama.cpp's own GGUF converter, from the sdist of the llama-cpp-python just installed, into quantforge's cache:
-# GGUF conversion then works offline, with the converter of the very llama.cpp that loads the files.
-.venv/bin/quantforge setup >/dev/null
+# GGUF conversion then works offline, with the converter of the very llama.cpp that loads the files. --tools also
+# builds llama.cpp's llama-imatrix and llama-quantize from that source (importance-matrix GGUFs; 5 minutes on 2
+# cores, once; CMAKE_ARGS as above adds CUDA).
+CMAKE_ARGS="$cmake_args" .venv/bin/quantforge setup --tools >/dev/null
 
 if [ "${1:-}" = "test" ] && ! command -v go >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

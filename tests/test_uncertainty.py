@@ -127,3 +127,19 @@ def test_run_to_run_comparison_fails_on_a_single_window_scored_differently(tiny_
     windows["nll"][2] *= 1.001
     with pytest.raises(AssertionError, match="window 2 nll"):
         assert_same_results(card, perturbed)
+
+
+def test_kld_ratio_interval_of_two_files_on_the_same_windows():
+    from quantforge.uncertainty import kld_ratio_interval
+
+    rng = np.random.default_rng(1)
+    tokens = [100] * 40
+    hardness = rng.uniform(0.5, 2.0, 40)  # some windows are harder for both files alike: the pairing cancels it
+    worse = {"tokens": tokens, "kld": list(100 * 0.02 * hardness)}
+    clearly = {"tokens": tokens, "kld": list(100 * 0.015 * hardness * rng.normal(1, 0.02, 40))}
+    barely = {"tokens": tokens, "kld": list(100 * 0.0198 * hardness * rng.normal(1, 0.05, 40))}
+    interval = kld_ratio_interval(clearly, worse)
+    assert interval["low"] < 0.75 < interval["high"] < 1 and interval["n"] == 40
+    noisy = kld_ratio_interval(barely, worse)
+    assert noisy["low"] < 1 < noisy["high"]  # a 1% difference under 5% per-window noise: within noise
+    assert kld_ratio_interval(clearly, {"tokens": tokens[:-1], "kld": worse["kld"][:-1]}) is None  # other windows

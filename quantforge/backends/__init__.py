@@ -70,6 +70,21 @@ class QuantizeJob:
     log: Callable[[str], None] = print
 
 
+@dataclass(frozen=True)
+class Intermediate:
+    """A file shared by several formats of a run (the F16 GGUF, an importance matrix).
+
+    ``build`` gets a ``QuantizeJob`` whose ``out`` is the file to write (a temporary name) and returns facts; its
+    stage's inputs are the source, the intermediates named in ``needs`` and, when ``uses_calibration``, the run's
+    calibration set (then ``job.calibration`` holds it).
+    """
+
+    suffix: str
+    build: Callable[[QuantizeJob], dict | None]
+    needs: tuple[str, ...] = ()
+    uses_calibration: bool = False
+
+
 class Backend(abc.ABC):
     """Base class for backends. Subclasses set ``name``, ``formats`` and ``requires`` and implement the hooks."""
 
@@ -119,10 +134,9 @@ class Backend(abc.ABC):
         """The file a runtime loads (for GGUF), or the folder itself (HF formats)."""
         return artifact_dir
 
-    def intermediates(self, fmt: Format) -> dict[str, tuple[str, Callable[["SourceModel", Path, Path], dict]]]:
-        """Files several formats share: name -> (file suffix, builder(source, out, log_dir)), made and recorded
-        once per run before the first quantize stage that needs them; ``QuantizeJob.intermediate(name)`` then
-        gives the path."""
+    def intermediates(self, fmt: Format) -> dict[str, "Intermediate"]:
+        """Files several formats share, in the order they are made: each made and recorded once per run before
+        the first quantize stage that needs it; ``QuantizeJob.intermediate(name)`` then gives its path."""
         return {}
 
     @abc.abstractmethod
@@ -150,6 +164,12 @@ def load_backends() -> dict[str, Backend]:
         backend = cls()
         backends[backend.name or entry.name] = backend
     return backends
+
+
+def known_runtimes(backends: dict[str, Backend] | None = None) -> tuple[str, ...]:
+    """ "any" and every runtime a format of the loaded backends runs in."""
+    backends = backends if backends is not None else load_backends()
+    return ("any", *sorted({r for backend in backends.values() for f in backend.formats.values() for r in f.runtimes}))
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import QuantforgeError
 from ..logs import capture_output
-from . import Backend, Format, LogitsRunner, QuantizeJob
+from . import Backend, Format, Intermediate, LogitsRunner, QuantizeJob
 
 GGUF_RUNTIMES = ("llama.cpp", "ollama")
 
@@ -129,11 +129,15 @@ class LlamaCppRunner:
         release_freed_memory()
 
 
-def convert_f16(source, out: Path, log_dir: Path) -> dict:
+def convert_f16(job: QuantizeJob) -> dict:
     """The F16 GGUF every llama.cpp format is quantized from, by llama.cpp's own converter."""
     from ..llamacpp_convert import convert_hf_to_gguf
 
-    return convert_hf_to_gguf(source.path, out, outtype="f16", name=source.name, log_path=log_dir / "convert-gguf.log")
+    source, log_path = job.source, job.log_dir / "convert-gguf.log"
+    return convert_hf_to_gguf(source.path, job.out, outtype="f16", name=source.name, log_path=log_path)
+
+
+F16_GGUF = Intermediate(".gguf", convert_f16)
 
 
 class LlamaCppBackend(Backend):
@@ -158,7 +162,7 @@ class LlamaCppBackend(Backend):
         return architecture_problem(source.config.get("architecture"))
 
     def intermediates(self, fmt: Format) -> dict:
-        return {"gguf-f16": (".gguf", convert_f16)}
+        return {"gguf-f16": F16_GGUF}
 
     def quantize(self, job: QuantizeJob) -> dict:
         from ..llamacpp_convert import describe

@@ -1,0 +1,120 @@
+"""llama.cpp's own command-line tools (``llama-imatrix``, ``llama-quantize``, and for benchmarks
+``llama-perplexity``, ``llama-bench``), built from the vendored tree of the installed llama-cpp-python's sdist.
+
+Why build them: an importance matrix reaches llama.cpp's quantizer only as a C++ map (``llama_model_quantize_params
+.imatrix`` is a ``std::unordered_map*``), which Python cannot hand over; and the matrix is collected by ggml's eval
+callback inside ``llama-imatrix``. Running llama.cpp's own programs, from the same source as the library that later
+loads the files, is what users of imatrix GGUFs compare against.
+
+They are linked statically (one file each, no rpath into a build tree), kept beside the environment like the
+converter, and built once: ``quantforge setup --tools`` (``scripts/install.sh`` runs it), or on first use.
+``CMAKE_ARGS`` (as for pip installing llama-cpp-python) adds flags, e.g. ``-DGGML_CUDA=on``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+from .errors import QuantforgeError
+from .llamacpp_convert import _download_sdist, _writable, runtime_version
+
+PRODUCT_TOOLS = ("llama-imatrix", "llama-quantize")
+# Plain AVX2 as scripts/install.sh builds the Python package (the native build's AMX kernels crash on our VMs).
+CMAKE_FLAGS = (
+    "-DGGML_NATIVE=OFF",
+    "-DGGML_AVX=ON",
+    "-DGGML_AVX2=ON",
+    "-DGGML_FMA=ON",
+    "-DGGML_F16C=ON",
+    "-DGGML_BMI2=ON",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DCMAKE_BUILD_TYPE=Release",
+)
+
+
+def tool_dirs(version: str | None = None) -> list[Path]:
+    """Where the tools may be kept, most preferred first (as for the converter: beside the environment)."""
+    from .source import cache_root
+
+    version = version or runtime_version()
+    return [
+        Path(sys.prefix) / "share" / "quantforge" / "llama.cpp-tools" / version,
+        cache_root() / "llama.cpp-tools" / version,
+    ]
+
+
+def find_tool(name: str) -> Path | None:
+    return next((folder / name for folder in tool_dirs() if (folder / name).is_file()), None)
+
+
+def require_tool(name: str) -> Path:
+    """The built tool, or a one-line error saying how to build it."""
+    found = find_tool(name)
+    if found is None:
+        raise QuantforgeError(
+            f"llama.cpp's {name} is not built for llama-cpp-python {runtime_version()}; "
+            "run 'quantforge setup --tools' once (several minutes; ./scripts/install.sh does it)"
+        )
+    return found
+
+
+def source_tree(scratch: Path, sdist: Path | None = None) -> Path:
+    """The whole vendored llama.cpp of the installed llama-cpp-python, unpacked under ``scratch``."""
+    version = runtime_version()
+    archive = sdist or _download_sdist(version, scratch / "sdist")
+    prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
+    with tarfile.open(archive) as tar:
+        members = [member for member in tar.getmembers() if member.name.startswith(prefix)]
+        if not members:
+            raise QuantforgeError(f"{archive} holds no vendor/llama.cpp")
+        tar.extractall(scratch / "tree", members=members, filter="data")
+    return scratch / "tree" / prefix.rstrip("/")
+
+
+def build_tools(names: tuple[str, ...] = PRODUCT_TOOLS, sdist: Path | None = None, log=print) -> dict[str, Path]:
+    """Build the named tools that are missing (several CPU-minutes), install them atomically, return their paths."""
+    from .fsutil import partial_name, remove_path
+
+    missing = [name for name in names if find_tool(name) is None]
+    if missing:
+        folders = tool_dirs()
+        target = next((folder for folder in folders if _writable(folder)), folders[-1])
+        scratch = partial_name(target)
+        remove_path(scratch)
+        scratch.mkdir(parents=True)
+        try:
+            log(f"building llama.cpp's {', '.join(missing)} (once; several minutes)")
+            tree = source_tree(scratch, sdist)
+            build = scratch / "build"
+            extra = shlex.split(os.environ.get("CMAKE_ARGS", ""))
+            jobs = str(os.cpu_count() or 2)
+            _run(["cmake", "-S", str(tree), "-B", str(build), *CMAKE_FLAGS, *extra], scratch / "cmake.log")
+            _run(["cmake", "--build", str(build), "--target", *missing, "-j", jobs], scratch / "cmake.log")
+            target.mkdir(parents=True, exist_ok=True)
+            for name in missing:
+                staged = partial_name(target / name)
+                os.replace(build / "bin" / name, staged)
+                os.replace(staged, target / name)
+        finally:
+            remove_path(scratch)
+    return {name: require_tool(name) for name in names}
+
+
+def _run(command: list[str], log_path: Path) -> None:
+    with open(log_path, "a") as log:
+        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+        raise QuantforgeError(
+            f"building llama.cpp's tools failed ({command[0]} exit {done.returncode}): {lines[-1] if lines else ''}"
+        )
