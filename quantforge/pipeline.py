@@ -275,83 +275,134 @@ class Build:
         self.failures: dict[str, dict] = {}  # format key -> what failed (see failures.describe_failure)
         self._host_speed = None  # resources.HostSpeed, measured once per build
 
-    # -- stage plumbing ---------------------------------------------------------------------------------------
+    # -- the whole build, in run order ---------------------------------------------------------------------------------
 
-    def stage(self, key: str, description: str, *, inputs: dict, settings: dict, outputs: list[Path], produce):
-        force = self.plan.request.force
-        result = run_stage(
-            self.manifest, key, inputs=inputs, settings=settings, outputs=outputs, produce=produce, force=force
-        )
-        if result.skipped and description:
-            self.ui.skipped(description)
-        return result
+    def run(self) -> dict:
+        with self.session():
+            prepared = self.prepare()
+            for choice in self.plan.choices:
+                try:
+                    self.make(choice, prepared)
+                    self.measure(choice, prepared)
+                except StageFailed as failure:
+                    if failure.record.get("stage") != "check":  # those were told up front
+                        self.ui.log(f"[red]✗[/red] {failure}")
+                    self.failures[choice.key] = failure.record
+                else:
+                    self.failures.pop(choice.key, None)
+                self.record_failures()
+        return self.card()
 
-    def open_reference_runner(self):
-        from .runners import TorchRunner
+    def run_unit(self, unit: str, key: str | None = None) -> dict:
+        """One unit of a release: "prepare", "quantize" or "evaluate" (of the format ``key``), or "card".
 
-        return TorchRunner.from_folder(
-            self.source.path,
-            threads=self.plan.threads,
-            device=self.plan.device,
-            trust_remote_code=self.plan.settings["trust_remote_code"],
-        )
-
-    def progress_path(self, key: str, inputs: dict) -> Path:
-        """Where an evaluation keeps per-window results; named by its inputs, so a stale one is never reused."""
-        from .fsutil import sha256_json
-
-        return self.run_dir / "work" / "progress" / f"{key}-{sha256_json(inputs)[:16]}.npz"
-
-    def digest(self, key: str) -> str:
-        return self.manifest.output_digest(key)
+        Units of one model wait for each other's hold on the run directory, so they may be scheduled at once.
+        """
+        choice = next((c for c in self.plan.choices if c.key == key), None) if key else None
+        if key and choice is None:
+            raise QuantforgeError(f"no format '{key}' in the plan of {self.run_dir}")
+        with self.session(wait=True):
+            if unit == "prepare":
+                self.prepare()
+            elif unit in ("quantize", "evaluate"):
+                self.failures = {**(self.manifest.data.get("failures") or {}), **self.failures}
+                try:
+                    step = self.make if unit == "quantize" else self.measure
+                    step(choice, self.prepared_earlier())
+                except StageFailed as failure:
+                    self.failures[choice.key] = failure.record
+                    raise
+                else:
+                    if unit == "evaluate":
+                        self.failures.pop(choice.key, None)
+                finally:
+                    self.record_failures()
+        return self.card() if unit == "card" else {"unit": unit, "key": key}
 
     @contextlib.contextmanager
-    def contained(self, choice: Choice, stage: str):
-        """A library that raises inside one format's stage fails that format, not the build: the exception becomes
-        one line (format, library and version, its last line, the log to read) and its traceback goes to the log.
-
-        Interrupts and full or read-only disks still stop the whole build: they are not the format's fault.
-        """
-        from .failures import describe_failure, is_environment_error
-
-        log = self.run_dir / "logs" / f"{stage}-{choice.key}.log"
-        try:
+    def session(self, wait: bool = False):
+        """Hold the run directory, clean what a killed run left, fetch and check the model, record the plan."""
+        with RunLock(self.run_dir, wait=wait) as lock, self.ui:
+            if lock.took_over_from:
+                self.ui.log(f"took over the lock of a run that is no longer alive (pid {lock.took_over_from})")
+            removed = clean_partials(self.run_dir)
+            if removed:
+                names = ", ".join(str(p.relative_to(self.run_dir)) for p in removed[:3])
+                self.ui.log(f"removed {len(removed)} half-written file(s) left by an interrupted run: {names}")
+            self.manifest = Manifest.open(self.run_dir)
+            self.precheck_hub_download()
+            self.source = self.fetch()
+            self.check_config_readable()
+            self.check_backends()
+            self.check_same_model()
+            self.failures = self.unsupported_formats()
+            self.parameters = self.source.config.get("parameters") or 0
+            self.plan_resources()
+            # Only now, with the input checked, does this build touch the run's manifest.
+            self.manifest.data["plan"] = {**self.plan.to_json(), "parameters": self.parameters}
+            self.manifest.data["quantforge_version"] = __version__
+            self.manifest.data["resource_plan"] = self.resource_plan
+            self.record_fetch()
             yield
-        except StageFailed:
-            raise
-        except Exception as exc:
-            if is_environment_error(exc):
-                raise
-            record = describe_failure(choice.key, stage, choice.backend.library(stage), exc, log, self.run_dir)
-            raise StageFailed(record["line"], record) from exc
+            self.manifest.save()
 
-    # -- stages -----------------------------------------------------------------------------------------------
+    def prepare(self) -> Prepared:
+        """What every format of the run shares: evaluation tokens, the reference, the calibration set."""
+        windows = self.tokens()
+        with LazyRunner(self.open_reference_runner, TASK_CONTEXT) as runner:
+            reference = self.reference(windows, runner)
+            self.tasks("reference", runner, "fetch")
+        if self.plan.speed:
+            from .artifacts import tensor_bytes
 
-    def fetch(self) -> SourceModel:
-        """Make the model available and describe it; nothing is recorded until the checks have passed."""
-        spec = self.plan.spec
-        with self.ui.task(f"fetch {spec.target}") as advance:
-            return fetch(
-                spec,
-                allow_pickle=self.plan.settings["allow_pickle"],
-                trust_remote_code=self.plan.settings["trust_remote_code"],
-                log=self.ui.log,
-                progress=advance,
+            self.speed(
+                "reference", ("transformers", self.source.path), tensor_bytes(self.source.path), windows[0], "fetch"
             )
+        return Prepared(windows, reference, self.calibration())
 
-    def record_fetch(self) -> None:
-        # Fetching is re-checked on every build (cheap: cached downloads, remembered hashes), so a changed local
-        # folder or a moved Hub revision reaches every downstream stage through this stage's output digest.
-        source_json = self.run_dir / "source.json"
+    def prepared_earlier(self) -> Prepared:
+        """A release unit's view of its model's prepare unit: the files its finished stages recorded."""
+        keys = ["tokens", "reference"] + (["calibration"] if self.plan.needs_calibration else [])
+        missing = [key for key in keys if not self.manifest.stage(key)]
+        if missing:
+            raise QuantforgeError(f"{self.run_dir}: the prepare unit has not finished ({', '.join(missing)} missing)")
+        path = {key: self.run_dir / next(iter(self.manifest.stage(key)["outputs"])) for key in keys}
+        return Prepared(np.load(path["tokens"]), path["reference"], path.get("calibration"))
 
-        def produce():
-            atomic_write_json(source_json, self.source.to_json())
-            return self.source.to_json()
+    def make(self, choice: Choice, prepared: Prepared) -> None:
+        self.refuse_unsupported(choice)
+        with self.contained(choice, "quantize"):
+            self.intermediates(choice, prepared.calibration)
+            self.quantize(choice, self.parameters, prepared.calibration)
 
-        self.manifest.stages.pop("fetch", None)
-        self.stage(
-            "fetch", None, inputs={"spec": self.plan.spec.__dict__}, settings={}, outputs=[source_json], produce=produce
-        )
+    def measure(self, choice: Choice, prepared: Prepared) -> None:
+        self.refuse_unsupported(choice)
+        with self.contained(choice, "evaluate"):
+            self.evaluate(choice, prepared.windows, prepared.reference)
+            if self.plan.speed:
+                artifact_dir = self.run_dir / "artifacts" / choice.key
+                weight_bytes = self.manifest.stage(f"quantize/{choice.key}")["result"]["tensor_bytes"]
+                self.speed(
+                    choice.key,
+                    choice.backend.probe_target(artifact_dir),
+                    weight_bytes,
+                    prepared.windows[0],
+                    f"quantize/{choice.key}",
+                )
+
+    def card(self) -> dict:
+        return write_card(self.run_dir, self.plan.targets)
+
+    def refuse_unsupported(self, choice: Choice) -> None:
+        if choice.key in self.failures and self.failures[choice.key].get("stage") == "check":
+            raise StageFailed(self.failures[choice.key]["line"], self.failures[choice.key])
+
+    def record_failures(self) -> None:
+        """The run's failed formats, for the card; a format that later succeeds is no longer listed."""
+        self.manifest.data["failures"] = self.failures
+        self.manifest.save()
+
+    # -- session: checks before any work, in the order session runs them -----------------------------------------------
 
     def precheck_hub_download(self) -> None:
         """Before downloading a Hub model: refuse, with the numbers, one this host cannot build, when its size can
@@ -367,30 +418,16 @@ class Build:
             return  # no size before the download: the check after it still runs before any work
         check_plan(resource_plan(self.plan, facts, self.host_speed()), self.run_dir, done=set(self.manifest.stages))
 
-    def host_speed(self):
-        from .resources import measure_host
-
-        if self._host_speed is None:
-            self._host_speed = measure_host(self.plan.threads, self.plan.device)
-        return self._host_speed
-
-    def plan_resources(self) -> None:
-        """Predict every stage's memory, disk and time on this host; refuse now, with the numbers, what cannot fit;
-        keep the prediction in the manifest beside each stage's measured peak and seconds."""
-        from .resources import check_plan
-
-        facts = {**self.source.config, "parameters": self.parameters}
-        self.resource_plan = resource_plan(self.plan, facts, self.host_speed())
-        check_plan(self.resource_plan, self.run_dir, done=set(self.manifest.stages))
-
-    def check_same_model(self) -> None:
-        """Refuse to mix two models' stages in one run directory."""
-        previous = (self.manifest.data.get("plan") or {}).get("model")
-        current = self.plan.to_json()["model"]
-        if previous and previous["target"] != current["target"] and not self.plan.request.force:
-            raise QuantforgeError(
-                f"{self.run_dir} holds a run of {previous['target']}, not {current['target']}; "
-                "choose another --out, or pass --force to replace it"
+    def fetch(self) -> SourceModel:
+        """Make the model available and describe it; nothing is recorded until the checks have passed."""
+        spec = self.plan.spec
+        with self.ui.task(f"fetch {spec.target}") as advance:
+            return fetch(
+                spec,
+                allow_pickle=self.plan.settings["allow_pickle"],
+                trust_remote_code=self.plan.settings["trust_remote_code"],
+                log=self.ui.log,
+                progress=advance,
             )
 
     def check_config_readable(self) -> None:
@@ -419,6 +456,16 @@ class Build:
                 problems[0] + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else "")
             )
 
+    def check_same_model(self) -> None:
+        """Refuse to mix two models' stages in one run directory."""
+        previous = (self.manifest.data.get("plan") or {}).get("model")
+        current = self.plan.to_json()["model"]
+        if previous and previous["target"] != current["target"] and not self.plan.request.force:
+            raise QuantforgeError(
+                f"{self.run_dir} holds a run of {previous['target']}, not {current['target']}; "
+                "choose another --out, or pass --force to replace it"
+            )
+
     def unsupported_formats(self) -> dict[str, dict]:
         """Formats whose library cannot handle this model, found up front: each fails alone, the rest go on."""
         from .failures import unsupported_record
@@ -435,10 +482,37 @@ class Build:
             self.ui.log(f"[red]✗[/red] {failure['line']}")
         return failures
 
-    def record_failures(self) -> None:
-        """The run's failed formats, for the card; a format that later succeeds is no longer listed."""
-        self.manifest.data["failures"] = self.failures
-        self.manifest.save()
+    def plan_resources(self) -> None:
+        """Predict every stage's memory, disk and time on this host; refuse now, with the numbers, what cannot fit;
+        keep the prediction in the manifest beside each stage's measured peak and seconds."""
+        from .resources import check_plan
+
+        facts = {**self.source.config, "parameters": self.parameters}
+        self.resource_plan = resource_plan(self.plan, facts, self.host_speed())
+        check_plan(self.resource_plan, self.run_dir, done=set(self.manifest.stages))
+
+    def host_speed(self):
+        from .resources import measure_host
+
+        if self._host_speed is None:
+            self._host_speed = measure_host(self.plan.threads, self.plan.device)
+        return self._host_speed
+
+    def record_fetch(self) -> None:
+        # Fetching is re-checked on every build (cheap: cached downloads, remembered hashes), so a changed local
+        # folder or a moved Hub revision reaches every downstream stage through this stage's output digest.
+        source_json = self.run_dir / "source.json"
+
+        def produce():
+            atomic_write_json(source_json, self.source.to_json())
+            return self.source.to_json()
+
+        self.manifest.stages.pop("fetch", None)
+        self.stage(
+            "fetch", None, inputs={"spec": self.plan.spec.__dict__}, settings={}, outputs=[source_json], produce=produce
+        )
+
+    # -- prepare: what every format shares -----------------------------------------------------------------------------
 
     def tokens(self) -> np.ndarray:
         from .evaluate import bos_token_id, text_tokens_per_window, tokenize_text
@@ -474,33 +548,6 @@ class Build:
             produce=produce,
         )
         return np.load(path)
-
-    def calibration(self) -> Path | None:
-        """The run's one calibration set, tokenized once and shared by every format that calibrates."""
-        if not self.plan.needs_calibration:
-            return None
-        from .calibration import load_calibration_text, sample_sequences, tokenize_documents
-
-        settings = self.plan.calibration
-        text = load_calibration_text(settings.dataset)
-        path = self.run_dir / "work" / "calibration.npy"
-
-        def produce():
-            with self.ui.task(f"calibration set ({text.name})"):
-                sequences = sample_sequences(tokenize_documents(self.source.path, text.documents), settings)
-            with atomic_output(path) as tmp, open(tmp, "wb") as handle:
-                np.save(handle, sequences)
-            return {"text": text.describe(), **settings.to_json()}
-
-        self.stage(
-            "calibration",
-            "tokenize calibration set",
-            inputs={"source": self.digest("fetch"), "text": text.sha256},
-            settings=settings.to_json(),
-            outputs=[path],
-            produce=produce,
-        )
-        return path
 
     def reference(self, windows: np.ndarray, runner: "LazyRunner") -> Path:
         path = self.run_dir / "work" / "reference.npz"
@@ -558,169 +605,6 @@ class Build:
                 outputs=[path],
                 produce=produce,
             )
-
-    def intermediate_path(self, name: str, suffix: str) -> Path:
-        return self.run_dir / "work" / f"{self.source.name}-{name}{suffix}"
-
-    def intermediates(self, choice: Choice, calibration: Path | None) -> None:
-        """Files the format's backend shares between formats (the F16 GGUF, an importance matrix), each made once
-        and recorded, before the format's own quantize stage (whose time and memory then are its own)."""
-        for name, shared in choice.backend.intermediates(choice.format).items():
-            if name in self._intermediates_made:
-                continue
-            self._intermediates_made.add(name)
-            path = self.intermediate_path(name, shared.suffix)
-
-            def produce(path=path, shared=shared, name=name):
-                with self.ui.task(f"build {name}"), atomic_output(path) as tmp:
-                    job = self.quantize_job(choice, tmp, calibration if shared.uses_calibration else None)
-                    return shared.build(job) or {}
-
-            inputs = {"source": self.digest("fetch")}
-            inputs.update({need: self.digest(f"intermediate/{need}") for need in shared.needs})
-            if shared.uses_calibration:
-                inputs["calibration"] = self.digest("calibration")
-            self.stage(f"intermediate/{name}", None, inputs=inputs, settings={}, outputs=[path], produce=produce)
-
-    def quantize_job(self, choice: Choice, out: Path, calibration: Path | None, checkpoint_dir: Path | None = None):
-        return QuantizeJob(
-            self.source,
-            choice.format,
-            self.plan.quantize,
-            out,
-            self.recorded_intermediate,
-            self.run_dir / "logs",
-            calibration=calibration,
-            threads=self.plan.threads,
-            device=self.plan.device,
-            log=self.ui.log,
-            checkpoint_dir=checkpoint_dir,
-        )
-
-    def recorded_intermediate(self, name: str) -> Path:
-        record = self.manifest.stage(f"intermediate/{name}")
-        if not record:
-            raise QuantforgeError(f"intermediate {name} was not made before the quantize stage that needs it")
-        return self.run_dir / next(iter(record["outputs"]))
-
-    def quantize(self, choice: Choice, parameters: int, calibration: Path | None) -> Path:
-        from .artifacts import measure
-
-        artifact_dir = self.run_dir / "artifacts" / choice.key
-        log_dir = self.run_dir / "logs"
-        checkpoint_dir = self.run_dir / "work" / "checkpoints" / choice.key
-        uses_calibration = choice.backend.needs_calibration
-
-        def produce():
-            log = log_dir / f"quantize-{choice.key}.log"
-            with (
-                self.ui.task(f"quantize {choice.key} ({choice.backend.name})") as advance,
-                atomic_output(artifact_dir) as tmp,
-            ):
-                job = self.quantize_job(choice, tmp, calibration if uses_calibration else None, checkpoint_dir)
-                with (
-                    capture_output(log),
-                    follow_progress(log, choice.backend.progress_pattern, lambda done, total: advance(done, total + 1)),
-                ):
-                    with interrupts_kept():
-                        facts = choice.backend.quantize(job)
-            remove_path(checkpoint_dir)  # only a finished artifact makes the layer checkpoints obsolete
-            return {**facts, **measure(choice.backend.artifact_file(artifact_dir), parameters)}
-
-        inputs = {"source": self.digest("fetch")}
-        if uses_calibration:
-            inputs["calibration"] = self.digest("calibration")
-        self.stage(
-            f"quantize/{choice.key}",
-            f"quantize {choice.key}",
-            inputs=inputs,
-            settings={"format": choice.format.name, "backend": choice.backend.name, **self.plan.quantize},
-            outputs=[artifact_dir],
-            produce=produce,
-        )
-        return artifact_dir
-
-    def evaluate(self, choice: Choice, windows: np.ndarray, reference_path: Path) -> None:
-        path = self.run_dir / "evals" / f"{choice.key}.json"
-        artifact_dir = self.run_dir / "artifacts" / choice.key
-        context = max(int(windows.shape[1]), TASK_CONTEXT if self.plan.tasks["names"] else 0)
-
-        def open_runner():
-            with capture_output(self.run_dir / "logs" / f"evaluate-{choice.key}.log"):
-                return choice.backend.open_runner(
-                    artifact_dir, context=context, threads=self.plan.threads, device=self.plan.device
-                )
-
-        inputs = {
-            "artifact": self.digest(f"quantize/{choice.key}"),
-            "reference": self.digest("reference"),
-            "tokens": self.digest("tokens"),
-        }
-        with LazyRunner(open_runner, context) as runner:
-
-            def produce():
-                refs = load_reference(reference_path)
-                with self.ui.task(f"evaluate {choice.key} ({runner.get().runtime})", total=len(windows)) as advance:
-                    loaded = runner.get()
-                    summary = score_artifact(
-                        getattr(loaded, "logits_view", loaded.logits),  # each window is scored before the next
-                        windows,
-                        refs,
-                        advance,
-                        progress_path=self.progress_path(choice.key, inputs),
-                    )
-                summary.update(
-                    runtime=runner.get().runtime,
-                    threads=self.plan.threads,
-                    flash_attn=getattr(runner.get(), "flash_attn", None),
-                )
-                atomic_write_json(path, summary)
-                return summary
-
-            self.stage(
-                f"evaluate/{choice.key}",
-                f"evaluate {choice.key}",
-                inputs=inputs,
-                settings={"threads": self.plan.threads},
-                outputs=[path],
-                produce=produce,
-            )
-            self.tasks(choice.key, runner, f"quantize/{choice.key}")
-
-    def host(self) -> dict:
-        """This host's memory bandwidth, measured once per run, for the decode roofline."""
-        import platform
-        import subprocess
-        import sys
-
-        from .probe import bandwidth_buffer_bytes
-
-        path = self.run_dir / "work" / "host.json"
-
-        threads = self.plan.threads
-        buffer_bytes = bandwidth_buffer_bytes()
-
-        def produce():
-            command = [sys.executable, "-m", "quantforge.probe", "--bandwidth", "--threads", str(threads)]
-            with self.ui.task("measure memory bandwidth"):
-                done = subprocess.run([*command, "--buffer-bytes", str(buffer_bytes)], capture_output=True, text=True)
-                if done.returncode != 0:
-                    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-                    raise QuantforgeError(f"the memory-bandwidth probe failed (exit {done.returncode}): {last}")
-                facts = {
-                    "bandwidth_gbs": round(json.loads(done.stdout.splitlines()[-1])["bandwidth_gbs"], 2),
-                    "method": f"numpy copy of {buffer_bytes >> 20} MB over {threads} thread(s), best of 5",
-                    "cpus": os.cpu_count(),
-                }
-            atomic_write_json(path, facts)
-            return facts
-
-        # keyed by the machine: a run folder copied to another host measures that host
-        machine = {"node": platform.node(), "machine": platform.machine(), "cpus": os.cpu_count()}
-        settings = {"threads": threads, "buffer_bytes": buffer_bytes}
-        if self._host is None:
-            self._host = self.stage("host", None, inputs=machine, settings=settings, outputs=[path], produce=produce)
-        return self._host.result
 
     def speed(self, key: str, target, weight_bytes: int, prompt: np.ndarray, upstream: str) -> None:
         """Decode-speed probe in the format's own runtime (a separate process), set beside the roofline."""
@@ -795,127 +679,249 @@ class Build:
             produce=produce,
         )
 
-    # -- the whole build --------------------------------------------------------------------------------------
+    def host(self) -> dict:
+        """This host's memory bandwidth, measured once per run, for the decode roofline."""
+        import platform
+        import subprocess
+        import sys
 
-    @contextlib.contextmanager
-    def session(self, wait: bool = False):
-        """Hold the run directory, clean what a killed run left, fetch and check the model, record the plan."""
-        with RunLock(self.run_dir, wait=wait) as lock, self.ui:
-            if lock.took_over_from:
-                self.ui.log(f"took over the lock of a run that is no longer alive (pid {lock.took_over_from})")
-            removed = clean_partials(self.run_dir)
-            if removed:
-                names = ", ".join(str(p.relative_to(self.run_dir)) for p in removed[:3])
-                self.ui.log(f"removed {len(removed)} half-written file(s) left by an interrupted run: {names}")
-            self.manifest = Manifest.open(self.run_dir)
-            self.precheck_hub_download()
-            self.source = self.fetch()
-            self.check_config_readable()
-            self.check_backends()
-            self.check_same_model()
-            self.failures = self.unsupported_formats()
-            self.parameters = self.source.config.get("parameters") or 0
-            self.plan_resources()
-            # Only now, with the input checked, does this build touch the run's manifest.
-            self.manifest.data["plan"] = {**self.plan.to_json(), "parameters": self.parameters}
-            self.manifest.data["quantforge_version"] = __version__
-            self.manifest.data["resource_plan"] = self.resource_plan
-            self.record_fetch()
-            yield
-            self.manifest.save()
+        from .probe import bandwidth_buffer_bytes
 
-    def prepare(self) -> Prepared:
-        """What every format of the run shares: evaluation tokens, the reference, the calibration set."""
-        windows = self.tokens()
-        with LazyRunner(self.open_reference_runner, TASK_CONTEXT) as runner:
-            reference = self.reference(windows, runner)
-            self.tasks("reference", runner, "fetch")
-        if self.plan.speed:
-            from .artifacts import tensor_bytes
+        path = self.run_dir / "work" / "host.json"
 
-            self.speed(
-                "reference", ("transformers", self.source.path), tensor_bytes(self.source.path), windows[0], "fetch"
-            )
-        return Prepared(windows, reference, self.calibration())
+        threads = self.plan.threads
+        buffer_bytes = bandwidth_buffer_bytes()
 
-    def prepared_earlier(self) -> Prepared:
-        """A release unit's view of its model's prepare unit: the files its finished stages recorded."""
-        keys = ["tokens", "reference"] + (["calibration"] if self.plan.needs_calibration else [])
-        missing = [key for key in keys if not self.manifest.stage(key)]
-        if missing:
-            raise QuantforgeError(f"{self.run_dir}: the prepare unit has not finished ({', '.join(missing)} missing)")
-        path = {key: self.run_dir / next(iter(self.manifest.stage(key)["outputs"])) for key in keys}
-        return Prepared(np.load(path["tokens"]), path["reference"], path.get("calibration"))
+        def produce():
+            command = [sys.executable, "-m", "quantforge.probe", "--bandwidth", "--threads", str(threads)]
+            with self.ui.task("measure memory bandwidth"):
+                done = subprocess.run([*command, "--buffer-bytes", str(buffer_bytes)], capture_output=True, text=True)
+                if done.returncode != 0:
+                    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                    raise QuantforgeError(f"the memory-bandwidth probe failed (exit {done.returncode}): {last}")
+                facts = {
+                    "bandwidth_gbs": round(json.loads(done.stdout.splitlines()[-1])["bandwidth_gbs"], 2),
+                    "method": f"numpy copy of {buffer_bytes >> 20} MB over {threads} thread(s), best of 5",
+                    "cpus": os.cpu_count(),
+                }
+            atomic_write_json(path, facts)
+            return facts
 
-    def make(self, choice: Choice, prepared: Prepared) -> None:
-        self.refuse_unsupported(choice)
-        with self.contained(choice, "quantize"):
-            self.intermediates(choice, prepared.calibration)
-            self.quantize(choice, self.parameters, prepared.calibration)
+        # keyed by the machine: a run folder copied to another host measures that host
+        machine = {"node": platform.node(), "machine": platform.machine(), "cpus": os.cpu_count()}
+        settings = {"threads": threads, "buffer_bytes": buffer_bytes}
+        if self._host is None:
+            self._host = self.stage("host", None, inputs=machine, settings=settings, outputs=[path], produce=produce)
+        return self._host.result
 
-    def measure(self, choice: Choice, prepared: Prepared) -> None:
-        self.refuse_unsupported(choice)
-        with self.contained(choice, "evaluate"):
-            self.evaluate(choice, prepared.windows, prepared.reference)
-            if self.plan.speed:
-                artifact_dir = self.run_dir / "artifacts" / choice.key
-                weight_bytes = self.manifest.stage(f"quantize/{choice.key}")["result"]["tensor_bytes"]
-                self.speed(
-                    choice.key,
-                    choice.backend.probe_target(artifact_dir),
-                    weight_bytes,
-                    prepared.windows[0],
-                    f"quantize/{choice.key}",
+    def calibration(self) -> Path | None:
+        """The run's one calibration set, tokenized once and shared by every format that calibrates."""
+        if not self.plan.needs_calibration:
+            return None
+        from .calibration import load_calibration_text, sample_sequences, tokenize_documents
+
+        settings = self.plan.calibration
+        text = load_calibration_text(settings.dataset)
+        path = self.run_dir / "work" / "calibration.npy"
+
+        def produce():
+            with self.ui.task(f"calibration set ({text.name})"):
+                sequences = sample_sequences(tokenize_documents(self.source.path, text.documents), settings)
+            with atomic_output(path) as tmp, open(tmp, "wb") as handle:
+                np.save(handle, sequences)
+            return {"text": text.describe(), **settings.to_json()}
+
+        self.stage(
+            "calibration",
+            "tokenize calibration set",
+            inputs={"source": self.digest("fetch"), "text": text.sha256},
+            settings=settings.to_json(),
+            outputs=[path],
+            produce=produce,
+        )
+        return path
+
+    # -- make: one format's artifact -----------------------------------------------------------------------------------
+
+    def intermediates(self, choice: Choice, calibration: Path | None) -> None:
+        """Files the format's backend shares between formats (the F16 GGUF, an importance matrix), each made once
+        and recorded, before the format's own quantize stage (whose time and memory then are its own)."""
+        for name, shared in choice.backend.intermediates(choice.format).items():
+            if name in self._intermediates_made:
+                continue
+            self._intermediates_made.add(name)
+            path = self.intermediate_path(name, shared.suffix)
+
+            def produce(path=path, shared=shared, name=name):
+                with self.ui.task(f"build {name}"), atomic_output(path) as tmp:
+                    job = self.quantize_job(choice, tmp, calibration if shared.uses_calibration else None)
+                    return shared.build(job) or {}
+
+            inputs = {"source": self.digest("fetch")}
+            inputs.update({need: self.digest(f"intermediate/{need}") for need in shared.needs})
+            if shared.uses_calibration:
+                inputs["calibration"] = self.digest("calibration")
+            self.stage(f"intermediate/{name}", None, inputs=inputs, settings={}, outputs=[path], produce=produce)
+
+    def intermediate_path(self, name: str, suffix: str) -> Path:
+        return self.run_dir / "work" / f"{self.source.name}-{name}{suffix}"
+
+    def quantize_job(self, choice: Choice, out: Path, calibration: Path | None, checkpoint_dir: Path | None = None):
+        return QuantizeJob(
+            self.source,
+            choice.format,
+            self.plan.quantize,
+            out,
+            self.recorded_intermediate,
+            self.run_dir / "logs",
+            calibration=calibration,
+            threads=self.plan.threads,
+            device=self.plan.device,
+            log=self.ui.log,
+            checkpoint_dir=checkpoint_dir,
+        )
+
+    def recorded_intermediate(self, name: str) -> Path:
+        record = self.manifest.stage(f"intermediate/{name}")
+        if not record:
+            raise QuantforgeError(f"intermediate {name} was not made before the quantize stage that needs it")
+        return self.run_dir / next(iter(record["outputs"]))
+
+    def quantize(self, choice: Choice, parameters: int, calibration: Path | None) -> Path:
+        from .artifacts import measure
+
+        artifact_dir = self.run_dir / "artifacts" / choice.key
+        log_dir = self.run_dir / "logs"
+        checkpoint_dir = self.run_dir / "work" / "checkpoints" / choice.key
+        uses_calibration = choice.backend.needs_calibration
+
+        def produce():
+            log = log_dir / f"quantize-{choice.key}.log"
+            with (
+                self.ui.task(f"quantize {choice.key} ({choice.backend.name})") as advance,
+                atomic_output(artifact_dir) as tmp,
+            ):
+                job = self.quantize_job(choice, tmp, calibration if uses_calibration else None, checkpoint_dir)
+                with (
+                    capture_output(log),
+                    follow_progress(log, choice.backend.progress_pattern, lambda done, total: advance(done, total + 1)),
+                ):
+                    with interrupts_kept():
+                        facts = choice.backend.quantize(job)
+            remove_path(checkpoint_dir)  # only a finished artifact makes the layer checkpoints obsolete
+            return {**facts, **measure(choice.backend.artifact_file(artifact_dir), parameters)}
+
+        inputs = {"source": self.digest("fetch")}
+        if uses_calibration:
+            inputs["calibration"] = self.digest("calibration")
+        self.stage(
+            f"quantize/{choice.key}",
+            f"quantize {choice.key}",
+            inputs=inputs,
+            settings={"format": choice.format.name, "backend": choice.backend.name, **self.plan.quantize},
+            outputs=[artifact_dir],
+            produce=produce,
+        )
+        return artifact_dir
+
+    # -- measure: one format's figures (with tasks and speed above) ----------------------------------------------------
+
+    def evaluate(self, choice: Choice, windows: np.ndarray, reference_path: Path) -> None:
+        path = self.run_dir / "evals" / f"{choice.key}.json"
+        artifact_dir = self.run_dir / "artifacts" / choice.key
+        context = max(int(windows.shape[1]), TASK_CONTEXT if self.plan.tasks["names"] else 0)
+
+        def open_runner():
+            with capture_output(self.run_dir / "logs" / f"evaluate-{choice.key}.log"):
+                return choice.backend.open_runner(
+                    artifact_dir, context=context, threads=self.plan.threads, device=self.plan.device
                 )
 
-    def refuse_unsupported(self, choice: Choice) -> None:
-        if choice.key in self.failures and self.failures[choice.key].get("stage") == "check":
-            raise StageFailed(self.failures[choice.key]["line"], self.failures[choice.key])
+        inputs = {
+            "artifact": self.digest(f"quantize/{choice.key}"),
+            "reference": self.digest("reference"),
+            "tokens": self.digest("tokens"),
+        }
+        with LazyRunner(open_runner, context) as runner:
 
-    def card(self) -> dict:
-        return write_card(self.run_dir, self.plan.targets)
+            def produce():
+                refs = load_reference(reference_path)
+                with self.ui.task(f"evaluate {choice.key} ({runner.get().runtime})", total=len(windows)) as advance:
+                    loaded = runner.get()
+                    summary = score_artifact(
+                        getattr(loaded, "logits_view", loaded.logits),  # each window is scored before the next
+                        windows,
+                        refs,
+                        advance,
+                        progress_path=self.progress_path(choice.key, inputs),
+                    )
+                summary.update(
+                    runtime=runner.get().runtime,
+                    threads=self.plan.threads,
+                    flash_attn=getattr(runner.get(), "flash_attn", None),
+                )
+                atomic_write_json(path, summary)
+                return summary
 
-    def run(self) -> dict:
-        with self.session():
-            prepared = self.prepare()
-            for choice in self.plan.choices:
-                try:
-                    self.make(choice, prepared)
-                    self.measure(choice, prepared)
-                except StageFailed as failure:
-                    if failure.record.get("stage") != "check":  # those were told up front
-                        self.ui.log(f"[red]✗[/red] {failure}")
-                    self.failures[choice.key] = failure.record
-                else:
-                    self.failures.pop(choice.key, None)
-                self.record_failures()
-        return self.card()
+            self.stage(
+                f"evaluate/{choice.key}",
+                f"evaluate {choice.key}",
+                inputs=inputs,
+                settings={"threads": self.plan.threads},
+                outputs=[path],
+                produce=produce,
+            )
+            self.tasks(choice.key, runner, f"quantize/{choice.key}")
 
-    def run_unit(self, unit: str, key: str | None = None) -> dict:
-        """One unit of a release: "prepare", "quantize" or "evaluate" (of the format ``key``), or "card".
+    # -- stage plumbing ------------------------------------------------------------------------------------------------
 
-        Units of one model wait for each other's hold on the run directory, so they may be scheduled at once.
+    def stage(self, key: str, description: str, *, inputs: dict, settings: dict, outputs: list[Path], produce):
+        force = self.plan.request.force
+        result = run_stage(
+            self.manifest, key, inputs=inputs, settings=settings, outputs=outputs, produce=produce, force=force
+        )
+        if result.skipped and description:
+            self.ui.skipped(description)
+        return result
+
+    def digest(self, key: str) -> str:
+        return self.manifest.output_digest(key)
+
+    def progress_path(self, key: str, inputs: dict) -> Path:
+        """Where an evaluation keeps per-window results; named by its inputs, so a stale one is never reused."""
+        from .fsutil import sha256_json
+
+        return self.run_dir / "work" / "progress" / f"{key}-{sha256_json(inputs)[:16]}.npz"
+
+    @contextlib.contextmanager
+    def contained(self, choice: Choice, stage: str):
+        """A library that raises inside one format's stage fails that format, not the build: the exception becomes
+        one line (format, library and version, its last line, the log to read) and its traceback goes to the log.
+
+        Interrupts and full or read-only disks still stop the whole build: they are not the format's fault.
         """
-        choice = next((c for c in self.plan.choices if c.key == key), None) if key else None
-        if key and choice is None:
-            raise QuantforgeError(f"no format '{key}' in the plan of {self.run_dir}")
-        with self.session(wait=True):
-            if unit == "prepare":
-                self.prepare()
-            elif unit in ("quantize", "evaluate"):
-                self.failures = {**(self.manifest.data.get("failures") or {}), **self.failures}
-                try:
-                    step = self.make if unit == "quantize" else self.measure
-                    step(choice, self.prepared_earlier())
-                except StageFailed as failure:
-                    self.failures[choice.key] = failure.record
-                    raise
-                else:
-                    if unit == "evaluate":
-                        self.failures.pop(choice.key, None)
-                finally:
-                    self.record_failures()
-        return self.card() if unit == "card" else {"unit": unit, "key": key}
+        from .failures import describe_failure, is_environment_error
+
+        log = self.run_dir / "logs" / f"{stage}-{choice.key}.log"
+        try:
+            yield
+        except StageFailed:
+            raise
+        except Exception as exc:
+            if is_environment_error(exc):
+                raise
+            record = describe_failure(choice.key, stage, choice.backend.library(stage), exc, log, self.run_dir)
+            raise StageFailed(record["line"], record) from exc
+
+    def open_reference_runner(self):
+        from .runners import TorchRunner
+
+        return TorchRunner.from_folder(
+            self.source.path,
+            threads=self.plan.threads,
+            device=self.plan.device,
+            trust_remote_code=self.plan.settings["trust_remote_code"],
+        )
 
 
 def resource_plan(plan: Plan, facts: dict, host) -> dict:
