@@ -87,6 +87,7 @@ def build_tools(names: tuple[str, ...] = PRODUCT_TOOLS, sdist: Path | None = Non
 
     missing = [name for name in names if find_tool(name) is None]
     if missing:
+        cmake = cmake_path()
         folders = tool_dirs()
         target = next((folder for folder in folders if _writable(folder)), folders[-1])
         scratch = partial_name(target)
@@ -98,8 +99,8 @@ def build_tools(names: tuple[str, ...] = PRODUCT_TOOLS, sdist: Path | None = Non
             build = scratch / "build"
             extra = shlex.split(os.environ.get("CMAKE_ARGS", ""))
             jobs = str(os.cpu_count() or 2)
-            _run(["cmake", "-S", str(tree), "-B", str(build), *CMAKE_FLAGS, *extra], scratch / "cmake.log")
-            _run(["cmake", "--build", str(build), "--target", *missing, "-j", jobs], scratch / "cmake.log")
+            _run([cmake, "-S", str(tree), "-B", str(build), *CMAKE_FLAGS, *extra], scratch / "cmake.log")
+            _run([cmake, "--build", str(build), "--target", *missing, "-j", jobs], scratch / "cmake.log")
             target.mkdir(parents=True, exist_ok=True)
             for name in missing:
                 staged = partial_name(target / name)
@@ -108,6 +109,20 @@ def build_tools(names: tuple[str, ...] = PRODUCT_TOOLS, sdist: Path | None = Non
         finally:
             remove_path(scratch)
     return {name: require_tool(name) for name in names}
+
+
+def cmake_path() -> str:
+    """cmake from this environment (pip install cmake) or the system, or a one-line error saying how to get it."""
+    import shutil
+
+    beside = Path(sys.executable).parent / "cmake"
+    found = str(beside) if beside.exists() else shutil.which("cmake")
+    if found is None:
+        raise QuantforgeError(
+            "building llama.cpp's tools needs cmake and a C++ compiler: pip install cmake (and install g++), "
+            "then run 'quantforge setup --tools'"
+        )
+    return found
 
 
 def _run(command: list[str], log_path: Path) -> None:

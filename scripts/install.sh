@@ -44,7 +44,9 @@ fi
 # GGUF conversion then works offline, with the converter of the very llama.cpp that loads the files. --tools also
 # builds llama.cpp's llama-imatrix and llama-quantize from that source (importance-matrix GGUFs; 5 minutes on 2
 # cores, once; CMAKE_ARGS as above adds CUDA).
-CMAKE_ARGS="$cmake_args" .venv/bin/quantforge setup --tools >/dev/null
+.venv/bin/quantforge setup >/dev/null
+CMAKE_ARGS="$cmake_args" .venv/bin/quantforge setup --tools >/dev/null ||
+  echo "warning: llama.cpp's tools did not build; imatrix GGUFs need them ('quantforge setup --tools')" >&2
 
 if [ "${1:-}" = "test" ] && ! command -v go >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

@@ -93,6 +93,13 @@ class LlamaCppImatrixBackend(LlamaCppBackend):
     alternative_for = frozenset(IMATRIX_FORMATS)
     needs_calibration = True
 
+    def check(self, source, fmt, settings: dict) -> list[str]:
+        from ..llamacpp_tools import PRODUCT_TOOLS, cmake_path, find_tool
+
+        if any(find_tool(name) is None for name in PRODUCT_TOOLS):
+            cmake_path()  # they will be built on first use; without cmake, a one-line error now, before any work
+        return super().check(source, fmt, settings)
+
     def intermediates(self, fmt) -> dict:
         return {"gguf-f16": F16_GGUF, "imatrix": IMPORTANCE_MATRIX}
 
