@@ -51,6 +51,19 @@ def test_classic_checkpoints(torch_run, key, method, expected):
         assert quant.get("version", quant.get("format")) == "gemm"
 
 
+def test_published_tokenizer_configs_hold_no_arguments_of_our_load(torch_run, tiny_llama):
+    """transformers writes load arguments (local_files_only, is_local, ...) back into tokenizer_config.json: they
+    made a Ray worker's artifact differ from a laptop's by one byte. Every HF artifact has none of them, and keeps
+    every key of the source's own tokenizer_config.json."""
+    from quantforge.backends.hf import LOAD_TIME_KEYS
+
+    source = json.loads((tiny_llama / "tokenizer_config.json").read_text())
+    for key in ("int8", "gptq-int8", "gptq-int4", "awq"):
+        saved = json.loads((torch_run / "artifacts" / key / "tokenizer_config.json").read_text())
+        assert not set(LOAD_TIME_KEYS) & set(saved), key
+        assert set(source) - set(LOAD_TIME_KEYS) <= set(saved), key
+
+
 def test_int8_is_a_w8a8_compressed_tensors_checkpoint(torch_run):
     folder = torch_run / "artifacts" / "int8"
     quant = json.loads((folder / "config.json").read_text())["quantization_config"]

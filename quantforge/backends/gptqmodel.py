@@ -18,7 +18,15 @@ import os
 from pathlib import Path
 
 from . import Format, QuantizeJob
-from .hf import VLLM_RUNTIMES, HFFolderBackend, load_calibration, move_logs, set_threads, vllm_target
+from .hf import (
+    VLLM_RUNTIMES,
+    HFFolderBackend,
+    drop_load_time_keys,
+    load_calibration,
+    move_logs,
+    set_threads,
+    vllm_target,
+)
 
 FORMATS = {
     "gptq-int4": Format(
@@ -158,6 +166,7 @@ class GPTQModelBackend(HFFolderBackend):
         model.quantize(samples, batch_size=1, backend=kernels, checkpoint=checkpoint)
         model.save(str(job.out))
         _drop_local_paths(job.out)
+        drop_load_time_keys(job.out)
         move_logs(job.out, job.log_dir, job.format.name, ("quant_log.csv",))
         facts = {
             "library": "gptqmodel",

@@ -85,6 +85,23 @@ def move_logs(out: Path, log_dir: Path, label: str, names: tuple[str, ...]) -> N
             shutil.move(str(out / name), log_dir / f"{label}-{name}")
 
 
+# Arguments of the load that transformers writes back into tokenizer_config.json on save. They describe how the
+# quantizing process loaded its source (offline or not, a local folder, which commit), not the model: published,
+# they would make the same artifact differ between a laptop and a Ray worker (measured: local_files_only).
+LOAD_TIME_KEYS = ("local_files_only", "is_local", "_commit_hash")
+
+
+def drop_load_time_keys(folder: Path) -> None:
+    import json
+
+    path = folder / "tokenizer_config.json"
+    if not path.exists():
+        return
+    data = json.loads(path.read_text())
+    if any(key in data for key in LOAD_TIME_KEYS):
+        path.write_text(json.dumps({k: v for k, v in data.items() if k not in LOAD_TIME_KEYS}, indent=2) + "\n")
+
+
 def vllm_target(artifact_dir: Path) -> tuple[str, Path] | None:
     """The speed probe runs an HF artifact in vLLM, its serving runtime, wherever vLLM is installed."""
     import importlib.util

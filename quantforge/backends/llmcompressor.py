@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import Format, QuantizeJob
-from .hf import VLLM_RUNTIMES, HFFolderBackend, load_calibration, set_threads, vllm_target
+from .hf import VLLM_RUNTIMES, HFFolderBackend, drop_load_time_keys, load_calibration, set_threads, vllm_target
 
 FORMATS = {
     "int8": Format("int8", "hf", "W8A8 INT8", VLLM_RUNTIMES, 8.1, "INT8 weights and activations (vLLM)", "W8A8"),
@@ -115,6 +115,7 @@ class LLMCompressorBackend(HFFolderBackend):
         )
         model.save_pretrained(job.out, save_compressed=True)
         tokenizer.save_pretrained(job.out)
+        drop_load_time_keys(job.out)
         facts = {
             "library": "llmcompressor",
             "scheme": scheme,
