@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import os
 import shlex
-import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
 from .errors import QuantforgeError
 from .llamacpp_convert import _download_sdist, _writable, runtime_version
+from .logs import run_logged
 
 PRODUCT_TOOLS = ("llama-imatrix", "llama-quantize")
 # Plain AVX2 as scripts/install.sh builds the Python package (the native build's AMX kernels crash on our VMs).
@@ -99,8 +99,10 @@ def build_tools(names: tuple[str, ...] = PRODUCT_TOOLS, sdist: Path | None = Non
             build = scratch / "build"
             extra = shlex.split(os.environ.get("CMAKE_ARGS", ""))
             jobs = str(os.cpu_count() or 2)
-            _run([cmake, "-S", str(tree), "-B", str(build), *CMAKE_FLAGS, *extra], scratch / "cmake.log")
-            _run([cmake, "--build", str(build), "--target", *missing, "-j", jobs], scratch / "cmake.log")
+            # the log stays beside the tools (the scratch tree goes), so a failed build's error can name it
+            log_path, what = target.parent / f"build-{target.name}.log", "building llama.cpp's tools"
+            run_logged([cmake, "-S", str(tree), "-B", str(build), *CMAKE_FLAGS, *extra], log_path, what)
+            run_logged([cmake, "--build", str(build), "--target", *missing, "-j", jobs], log_path, what)
             target.mkdir(parents=True, exist_ok=True)
             for name in missing:
                 staged = partial_name(target / name)
@@ -123,13 +125,3 @@ def cmake_path() -> str:
             "then run 'quantforge setup --tools'"
         )
     return found
-
-
-def _run(command: list[str], log_path: Path) -> None:
-    with open(log_path, "a") as log:
-        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
-        raise QuantforgeError(
-            f"building llama.cpp's tools failed ({command[0]} exit {done.returncode}): {lines[-1] if lines else ''}"
-        )

@@ -70,3 +70,20 @@ def follow_progress(path: Path, pattern: str | None, report: Callable[[int, int]
     finally:
         stop.set()
         thread.join()
+
+
+def run_logged(command: list[str], log_path: Path, what: str, cwd: Path | None = None) -> str:
+    """Run a program with its output appended to ``log_path``; return the output, or raise a one-line error that
+    names ``what`` failed, its exit status, its last line and the log to read."""
+    import subprocess
+
+    from .errors import QuantforgeError
+
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(command, capture_output=True, text=True, errors="replace", cwd=cwd)
+    with open(log_path, "a") as log:
+        log.write(f"$ {' '.join(command)}\n{done.stdout}{done.stderr}\n")
+    if done.returncode != 0:
+        lines = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
+        raise QuantforgeError(f"{what} failed (exit {done.returncode}): {lines[-1] if lines else ''}; see {log_path}")
+    return done.stdout + done.stderr

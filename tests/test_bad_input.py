@@ -145,3 +145,18 @@ def test_out_naming_a_file(tiny_llama, tmp_path):
 
 def test_card_of_a_folder_that_is_not_a_run(tmp_path):
     assert_clean_error(quantforge_cli("card", str(tmp_path)), "holds no quantforge run")
+
+
+def test_a_failing_tool_is_one_line_naming_it_and_its_log(tmp_path):
+    import sys
+
+    from quantforge.errors import QuantforgeError
+    from quantforge.logs import run_logged
+
+    failing = [sys.executable, "-c", "import sys; print('working'); sys.exit('no such tensor: blk.0')"]
+    with pytest.raises(QuantforgeError) as caught:
+        run_logged(failing, tmp_path / "logs" / "tool.log", "llama.cpp's llama-imatrix")
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith("llama.cpp's llama-imatrix failed (exit 1)")
+    assert "no such tensor: blk.0" in message and str(tmp_path / "logs" / "tool.log") in message
+    assert "working" in (tmp_path / "logs" / "tool.log").read_text()  # the whole output is kept for reading

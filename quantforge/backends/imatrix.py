@@ -13,16 +13,23 @@ re-tokenized text comes out shorter), each starting with BOS when the model adds
 from __future__ import annotations
 
 import re
-import subprocess
 import tempfile
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
-from ..errors import QuantforgeError
+from ..logs import run_logged
 from . import Intermediate, QuantizeJob
-from .llamacpp import F16_GGUF, FILE_TYPES, LlamaCppBackend, _gguf_format, prepare_llama_cpp_env, tensor_types
+from .llamacpp import (
+    F16_GGUF,
+    FILE_TYPES,
+    LlamaCppBackend,
+    _gguf_format,
+    fallback_tensors,
+    prepare_llama_cpp_env,
+    tensor_types,
+)
 
 # Q8_0 and F16 ignore an importance matrix; the K-quants use it to weight each column's rounding error.
 IMATRIX_FORMATS = ("gguf-q6k", "gguf-q5km", "gguf-q4km")
@@ -46,14 +53,7 @@ def calibration_text(job: QuantizeJob) -> tuple[str, int, int]:
 
 def _run_tool(command: list[str], log_path: Path, what: str, cwd: Path | None = None) -> str:
     prepare_llama_cpp_env()
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(command, capture_output=True, text=True, errors="replace", cwd=cwd)
-    with open(log_path, "a") as log:
-        log.write(f"$ {' '.join(command)}\n{done.stdout}{done.stderr}\n")
-    if done.returncode != 0:
-        lines = [line for line in done.stderr.splitlines() if line.strip()]
-        raise QuantforgeError(f"{what} failed (exit {done.returncode}): {lines[-1] if lines else ''}; see {log_path}")
-    return done.stdout + done.stderr
+    return run_logged(command, log_path, what, cwd)
 
 
 def _gpu_layers(device: str) -> list[str]:
@@ -121,13 +121,12 @@ class LlamaCppImatrixBackend(LlamaCppBackend):
         ]
         log_path = job.log_dir / f"{job.format.name}-imatrix.log"
         output = _run_tool([*command, scheme, str(job.threads)], log_path, "llama-quantize", cwd=imatrix.parent)
-        fallback = re.findall(r"(\d+) of (\d+) tensor\(s\) required fallback", output)
         sequences, seqlen = np.load(job.calibration, mmap_mode="r").shape
         return {
             "converter": describe(),
             "quantizer": "llama.cpp llama-quantize --imatrix",
             "calibration_samples": int(sequences),
             "calibration_seqlen": int(seqlen),
-            "fallback_tensors": int(fallback[-1][0]) if fallback else 0,
+            "fallback_tensors": fallback_tensors(output),
             "tensor_types": dict(Counter(tensor_types(target).values())),
         }

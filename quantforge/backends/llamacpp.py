@@ -70,8 +70,13 @@ def quantize_gguf(source: Path, target: Path, ftype: int, threads: int, log_path
         status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params))
     if status != 0:
         raise QuantforgeError(f"llama.cpp's quantizer failed (status {status}); see {log_path}")
-    fallback = re.findall(r"(\d+) of (\d+) tensor\(s\) required fallback", log_path.read_text(errors="replace"))
-    return {"fallback_tensors": int(fallback[-1][0]) if fallback else 0}
+    return {"fallback_tensors": fallback_tensors(log_path.read_text(errors="replace"))}
+
+
+def fallback_tensors(quantizer_output: str) -> int:
+    """How many tensors llama.cpp's quantizer gave another type (a width not a multiple of the block size)."""
+    fallback = re.findall(r"(\d+) of (\d+) tensor\(s\) required fallback", quantizer_output)
+    return int(fallback[-1][0]) if fallback else 0
 
 
 class LlamaCppRunner:
