@@ -24,8 +24,22 @@ from . import __version__
 from .decide import Candidate, Targets, decide, pareto_front
 from .errors import QuantforgeError
 from .fsutil import atomic_write_json, atomic_write_text
-from .manifest import MANIFEST_NAME, Manifest
+from .manifest import Manifest
 from .markdown import bos_convention, render_markdown
+from .rundir import (
+    CALIBRATION,
+    CARD_JSON,
+    CARD_MARKDOWN,
+    FETCH,
+    HOST,
+    MANIFEST_NAME,
+    REFERENCE,
+    TOKENS,
+    evaluate_stage,
+    quantize_stage,
+    speed_stage,
+    tasks_stage,
+)
 
 CARD_SCHEMA = "quantforge.card/1"
 CONVENTION = (
@@ -38,7 +52,7 @@ def _task_results(manifest: Manifest, key: str) -> dict:
     names = (manifest.data.get("plan", {}).get("tasks") or {}).get("names") or []
     found = {}
     for name in names:
-        stage = manifest.stage(f"tasks/{key}/{name}")
+        stage = manifest.stage(tasks_stage(key, name))
         if stage:
             found[name] = stage["result"]
     return found
@@ -84,12 +98,12 @@ def _intervals(result: dict, tasks: dict, reference_tasks: dict) -> dict:
 
 def _format_entries(manifest: Manifest) -> list[dict]:
     plan = manifest.data.get("plan", {})
-    reference = manifest.stage("reference")["result"]
+    reference = manifest.stage(REFERENCE)["result"]
     reference_tasks = _task_results(manifest, "reference")
     entries = []
     for key, info in plan.get("artifacts", {}).items():
-        quantized = manifest.stage(f"quantize/{key}")
-        evaluated = manifest.stage(f"evaluate/{key}")
+        quantized = manifest.stage(quantize_stage(key))
+        evaluated = manifest.stage(evaluate_stage(key))
         entry = {**info, "key": key, "complete": bool(quantized and evaluated)}
         if quantized:
             facts = quantized["result"]
@@ -131,7 +145,7 @@ def _format_entries(manifest: Manifest) -> list[dict]:
             entry["how"] = {
                 k: result.get(k) for k in ("runtime", "threads", "flash_attn", "eval_seconds", "eval_tokens_per_second")
             }
-        speed = manifest.stage(f"speed/{key}")
+        speed = manifest.stage(speed_stage(key))
         if speed:
             entry["speed"] = speed["result"]
             if speed["result"].get("measured") and "metrics" in entry:
@@ -164,7 +178,7 @@ def build_card(run_dir: Path, targets: Targets) -> dict:
     manifest = Manifest.open(run_dir)
     if not manifest.path.exists() or "plan" not in manifest.data:
         raise QuantforgeError(f"{run_dir} holds no quantforge run ({MANIFEST_NAME} is missing); run 'quantforge build'")
-    if not manifest.stage("reference"):
+    if not manifest.stage(REFERENCE):
         command = manifest.data["plan"].get("command", "quantforge build ...")
         raise QuantforgeError(f"{run_dir} is unfinished: the reference was not evaluated; rerun: {command}")
     from .backends import known_runtimes
@@ -179,7 +193,7 @@ def build_card(run_dir: Path, targets: Targets) -> dict:
             f"no format of this run runs in {targets.runtime} (its formats run in "
             f"{', '.join(served)}); build one that does or choose another --runtime"
         )
-    config = manifest.stage("fetch")["result"]["config"]
+    config = manifest.stage(FETCH)["result"]["config"]
     usable = _add_memory_fit(entries, config, targets)
     candidates = [
         Candidate(
@@ -200,25 +214,25 @@ def build_card(run_dir: Path, targets: Targets) -> dict:
             entry["failure"] = failures[entry["key"]]
     decision = decide(candidates, targets, usable, {key: f["line"] for key, f in failures.items()})
     plan = manifest.data["plan"]
-    reference = manifest.stage("reference")
+    reference = manifest.stage(REFERENCE)
     return {
         "schema": CARD_SCHEMA,
-        "model": manifest.stage("fetch")["result"] | {"parameters": plan.get("parameters")},
+        "model": manifest.stage(FETCH)["result"] | {"parameters": plan.get("parameters")},
         "evaluation": {
             **plan["eval_settings"],
             "requested_text": plan["eval_settings"]["text"],
-            "text": manifest.stage("tokens")["result"]["text"],
+            "text": manifest.stage(TOKENS)["result"]["text"],
             "convention": CONVENTION,
-            "bos_token_id": manifest.stage("tokens")["result"].get("bos_token_id"),
-            "bos": bos_convention(manifest.stage("tokens")["result"].get("bos_token_id")),
+            "bos_token_id": manifest.stage(TOKENS)["result"].get("bos_token_id"),
+            "bos": bos_convention(manifest.stage(TOKENS)["result"].get("bos_token_id")),
         },
         "reference": {
             **reference["result"],
             "tasks": _with_recovery(_task_results(manifest, "reference"), {})[0],
-            "speed": (manifest.stage("speed/reference") or {}).get("result"),
+            "speed": (manifest.stage(speed_stage(REFERENCE)) or {}).get("result"),
         },
-        "host": (manifest.stage("host") or {}).get("result"),
-        "calibration": (manifest.stage("calibration") or {}).get("result"),
+        "host": (manifest.stage(HOST) or {}).get("result"),
+        "calibration": (manifest.stage(CALIBRATION) or {}).get("result"),
         "formats": entries,
         "incomplete": [e["key"] for e in entries if not e["complete"] and e["key"] not in failures],
         "failed": [failures[key] for key in sorted(failures)],
@@ -282,8 +296,8 @@ def write_card(run_dir: Path, targets: Targets) -> dict:
     from .modelcard import write_deployment_files
 
     card = build_card(run_dir, targets)
-    atomic_write_text(run_dir / "card.md", render_markdown(card))
+    atomic_write_text(run_dir / CARD_MARKDOWN, render_markdown(card))
     write_html(run_dir, card)
     write_deployment_files(run_dir, card)
-    atomic_write_json(run_dir / "card.json", card)  # last: its presence means the whole card was written
+    atomic_write_json(run_dir / CARD_JSON, card)  # last: its presence means the whole card was written
     return card

@@ -13,6 +13,7 @@ import click
 
 from . import __version__
 from .errors import DISK_ADVICE, DISK_ERRORS, EXIT_FORMATS_FAILED, EXIT_INTERRUPTED, QuantforgeError
+from .rundir import CARD_MARKDOWN, MANIFEST_NAME, RunDir
 from .settings import click_options
 
 
@@ -370,9 +371,9 @@ def card(run_dir, as_json, **targets):
     from .decide import Targets
     from .ui import UI
 
-    if not (run_dir / "run.json").exists():
-        raise QuantforgeError(f"{run_dir} holds no quantforge run (no run.json); run 'quantforge build' first")
-    stored = json.loads((run_dir / "run.json").read_text()).get("plan", {}).get("targets") or {}
+    if not (run_dir / MANIFEST_NAME).exists():
+        raise QuantforgeError(f"{run_dir} holds no quantforge run (no {MANIFEST_NAME}); run 'quantforge build' first")
+    stored = json.loads((run_dir / MANIFEST_NAME).read_text()).get("plan", {}).get("targets") or {}
     result = write_card(run_dir, Targets(**{**stored, **target_overrides(**targets)}))
     _print_card(result, as_json, UI())
 
@@ -440,10 +441,12 @@ def release(release_file, executor, address, dry_run, as_json):
             )
         )
     for model in spec.models:
-        card = spec.out / model.name / "card.json"
+        card = RunDir(spec.out / model.name).card
         if card.exists() and not any(o.unit.model == model.name for o in failed + blocked):
             recommended = json.loads(card.read_text())["decision"]["recommended"]
-            click.echo(f"{model.name}: recommended {recommended or 'none'} ({card.parent / 'card.md'})", err=as_json)
+            click.echo(
+                f"{model.name}: recommended {recommended or 'none'} ({card.parent / CARD_MARKDOWN})", err=as_json
+            )
     for outcome in failed:
         click.echo(f"failed: {describe_failure(spec, outcome)}", err=True)
     if blocked:

@@ -133,17 +133,20 @@ def _float(weight: Weight) -> torch.Tensor:
     return weight.float() if weight.is_floating_point() else weight
 
 
-def weight_sources(folder: Path, device: str = "cpu") -> tuple[dict, dict[str, Weight]]:
+def weight_sources(
+    folder: Path, device: str = "cpu", dequantizers: dict[str, tuple[str, Callable]] | None = None
+) -> tuple[dict, dict[str, Weight]]:
     """The artifact's config (without quantization_config) and every tensor by name: quantized weights as what
-    dequantizes them when called, the others as stored."""
+    dequantizes them when called, the others as stored. ``dequantizers`` adds methods (a backend's own) to ours."""
     config = json.loads((folder / "config.json").read_text())
     quant = config.pop("quantization_config", None)
     if quant is None:
         raise QuantforgeError(f"{folder}/config.json has no quantization_config")
     method = quant.get("quant_method")
-    if method not in DEQUANTIZERS:
-        raise QuantforgeError(f"cannot dequantize quant_method '{method}' (known: {', '.join(DEQUANTIZERS)})")
-    marker, dequantize = DEQUANTIZERS[method]
+    known = {**DEQUANTIZERS, **(dequantizers or {})}
+    if method not in known:
+        raise QuantforgeError(f"cannot dequantize quant_method '{method}' (known: {', '.join(known)})")
+    marker, dequantize = known[method]
     tensors = read_tensors(folder, device)
     prefixes = sorted({name[: -len(marker) - 1] for name in tensors if name.endswith("." + marker)})
     sources: dict[str, Weight] = {}
@@ -243,7 +246,13 @@ def _place(model: torch.nn.Module, name: str, weight: Weight) -> None:
         keep_stored(owner, leaf, weight)  # an unquantized bf16/fp16 tensor: embeddings, the LM head
 
 
-def float_model_from_artifact(folder: Path, *, device: str = "cpu", trust_remote_code: bool = False) -> torch.nn.Module:
+def float_model_from_artifact(
+    folder: Path,
+    *,
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+    dequantizers: dict[str, tuple[str, Callable]] | None = None,
+) -> torch.nn.Module:
     """A model computing in float32 with the dequantized weights of a quantized HF folder (activations simulated
     too). Its large weights stay packed and are dequantized when their module runs (see ``lean``), so memory holds
     the artifact's size plus one module's float32 weights, and the logits equal a fully dequantized model's."""
@@ -252,7 +261,7 @@ def float_model_from_artifact(folder: Path, *, device: str = "cpu", trust_remote
 
     from .lean import buffers_to
 
-    config_dict, sources = weight_sources(folder, device)
+    config_dict, sources = weight_sources(folder, device, dequantizers)
     quant = config_dict.pop("_quantization_config")
     quantized = config_dict.pop("_quantized_modules")
     config = AutoConfig.for_model(**{k: v for k, v in config_dict.items() if not k.startswith("_")})

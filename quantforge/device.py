@@ -52,7 +52,3 @@ def resolve_device(choice: str | None) -> str:
     if index >= count:
         raise QuantforgeError(f"--device {choice}: torch sees {count} CUDA device(s), numbered 0 to {count - 1}")
     return f"cuda:{index}"
-
-
-def is_cuda(device: str) -> bool:
-    return device.startswith("cuda")

@@ -11,6 +11,7 @@ import html
 from pathlib import Path
 
 from .fsutil import atomic_output, atomic_write_text
+from .rundir import CARD_HTML
 
 QUALITY_PNG = "card-quality.png"
 SPEED_PNG = "card-speed.png"
@@ -152,4 +153,4 @@ def write_html(run_dir: Path, card: dict) -> None:
         + "\n".join(figures)
         + "\n</body></html>\n"
     )
-    atomic_write_text(run_dir / "card.html", page)
+    atomic_write_text(run_dir / CARD_HTML, page)

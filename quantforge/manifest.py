@@ -21,8 +21,8 @@ from . import __version__
 from .errors import QuantforgeError
 from .fsutil import atomic_write_json, file_records, find_partials, remove_path, sha256_json
 from .memory import StagePeak
+from .rundir import MANIFEST_NAME
 
-MANIFEST_NAME = "run.json"
 LOCK_NAME = ".quantforge.lock"
 SCHEMA = 1
 
@@ -101,10 +101,6 @@ class Manifest:
         """What downstream stages hash as this stage's contribution to their inputs."""
         record = self.stages[key]
         return sha256_json({"outputs": record.get("outputs", {}), "result": record.get("result", {})})
-
-    def forget(self, key: str) -> None:
-        if self.stages.pop(key, None) is not None:
-            self.save()
 
 
 def run_stage(

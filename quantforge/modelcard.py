@@ -14,16 +14,6 @@ from pathlib import Path
 
 import yaml
 
-from .deploy import (
-    chat_template_to_ollama,
-    llama_cli_command,
-    llama_server_command,
-    modelfile,
-    ollama_command,
-    vllm_command,
-    vllm_serving,
-)
-from .errors import QuantforgeError
 from .fsutil import atomic_write_text
 
 # Bundled models are converted from GGUF files of these Hub repos (see source.BUNDLED); their licences are the repos'.
@@ -31,7 +21,6 @@ BUNDLED_BASE_MODELS = {
     "smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0"),
     "qwen2.5-coder-0.5b": ("Qwen/Qwen2.5-Coder-0.5B-Instruct", "apache-2.0"),
 }
-METHOD_TAGS = {"gguf": "gguf", "gptq": "gptq", "awq": "awq", "compressed-tensors": "compressed-tensors"}
 LICENSE_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "LICENCE", "NOTICE", "USE_POLICY.md")
 HUB_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./")
 
@@ -81,14 +70,6 @@ def chat_template(source_dir: Path) -> tuple[str | None, dict]:
         token = config.get(name)
         special[name] = token.get("content") if isinstance(token, dict) else token
     return (template if isinstance(template, str) else None), special
-
-
-def gguf_adds_bos(path: Path) -> bool:
-    """Whether llama.cpp adds BOS itself when it tokenizes a prompt for this GGUF."""
-    from gguf import GGUFReader
-
-    field = GGUFReader(path).get_field("tokenizer.ggml.add_bos_token")
-    return bool(field.contents()) if field is not None else False
 
 
 # ----------------------------------------------------------------------------------------------- the card's parts
@@ -162,11 +143,10 @@ def _recommendation(card: dict, entry: dict) -> str:
     return f"For the run's targets quantforge recommended {chosen}, not this format{why}."
 
 
-def model_card(card: dict, entry: dict, usage: list[str], quant_config: dict) -> str:
+def model_card(card: dict, entry: dict, deployment) -> str:
+    """The README.md of one artifact; ``deployment`` (a ``backends.Deployment``) is its backend's part."""
     model = card["model"]
-    quant_method = quant_config.get("quant_method", "gguf" if entry["family"] == "gguf" else None)
-    library = "gguf" if entry["family"] == "gguf" else "transformers"
-    front, base, licence = _front(card, library, [METHOD_TAGS.get(quant_method, str(quant_method)), entry["format"]])
+    front, base, licence = _front(card, deployment.library, [*deployment.tags, entry["format"]])
     base_text = f"[{base}](https://huggingface.co/{base})" if base else f"{model['name']} (a local model)"
     licence_line = (
         f"Licence: {licence['license']}, as the base model's."
@@ -183,7 +163,7 @@ def model_card(card: dict, entry: dict, usage: list[str], quant_config: dict) ->
         "",
         "## Quantization",
         "",
-        *_quantization_rows(card, entry, quant_config),
+        *_quantization_rows(card, entry, deployment.quant_config),
         "",
         "## Evaluation",
         "",
@@ -198,7 +178,7 @@ def model_card(card: dict, entry: dict, usage: list[str], quant_config: dict) ->
         "",
         "## Usage",
         "",
-        *usage,
+        *deployment.usage,
         "",
     ]
     return "\n".join(lines)
@@ -273,49 +253,6 @@ def write_gguf_repo_card(card: dict, entries: list[dict], repo_id: str, names: d
     return "\n".join(lines + [""])
 
 
-# ----------------------------------------------------------------------------------------------- per family
-
-
-def _gguf_usage(folder: Path, card: dict, entry: dict, template: str | None, special: dict) -> list[str]:
-    """The llama.cpp commands and the Ollama Modelfile (with a TEMPLATE when the chat template converts)."""
-    context = card["targets"]["context"]
-    gguf = sorted(folder.glob("*.gguf"))[0]
-    go_template, stops, note = None, [special["eos_token"]] if special.get("eos_token") else [], None
-    if template:
-        try:
-            go_template, stops = chat_template_to_ollama(template, {**special, "runtime_adds_bos": gguf_adds_bos(gguf)})
-        except QuantforgeError as exc:
-            note = f"The Modelfile has no TEMPLATE ({exc}); Ollama then uses the chat template stored in the GGUF."
-    else:
-        note = "The source has no chat template: the Modelfile has no TEMPLATE."
-    atomic_write_text(folder / "Modelfile", modelfile(gguf.name, go_template, stops, context))
-    usage = [
-        "```bash",
-        llama_server_command(gguf.name, context),
-        llama_cli_command(gguf.name, context),
-        ollama_command(f"{card['model']['name']}-{entry['format']}"),
-        "```",
-    ]
-    return usage + (["", note] if note else [])
-
-
-def _hf_usage(folder: Path, card: dict, entry: dict) -> list[str]:
-    context = card["targets"]["context"]
-    fit = next(iter(entry.get("memory_fit", {}).values()), None) if card["targets"].get("gpu") else None
-    max_len, fp8_kv = vllm_serving(fit, context)
-    usage = ["```bash", vllm_command(folder.name, max_len, fp8_kv), "```"]
-    if fp8_kv:
-        usage += ["", f"An fp16 KV cache of {context} tokens does not fit on {fit['gpu']}; an fp8 one does."]
-    return usage + [
-        "",
-        "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        f'model = AutoModelForCausalLM.from_pretrained("./{folder.name}", device_map="auto")',
-        f'tokenizer = AutoTokenizer.from_pretrained("./{folder.name}")',
-        "```",
-    ]
-
-
 def _copy_licence_files(source_dir: Path, folder: Path) -> None:
     """The source's licence files travel with every artifact (many licences require it of a redistribution)."""
     for name in LICENSE_FILES:
@@ -324,19 +261,29 @@ def _copy_licence_files(source_dir: Path, folder: Path) -> None:
 
 
 def write_deployment_files(run_dir: Path, card: dict) -> None:
-    """README.md (model card) and the source's licence files in every artifact folder; for GGUF an Ollama
-    Modelfile. The files depend on measurements, not on the card's targets (apart from the recommendation)."""
+    """README.md (model card) and the source's licence files in every artifact folder, with what its backend says
+    about serving it (``Backend.deployment``: for GGUF also an Ollama Modelfile). The files depend on measurements,
+    not on the card's targets (apart from the recommendation)."""
+    from .backends import load_backends
+
+    backends = load_backends()
     source_dir = Path(card["model"]["path"])
-    template, special = chat_template(source_dir)
+    chat = chat_template(source_dir)
     for entry in card["formats"]:
         if not entry.get("complete"):
             continue
         folder = run_dir / entry["artifact"]
-        if entry["family"] == "gguf":
-            quant_config: dict = {}
-            usage = _gguf_usage(folder, card, entry, template, special)
-        else:
-            quant_config = json.loads((folder / "config.json").read_text()).get("quantization_config", {})
-            usage = _hf_usage(folder, card, entry)
         _copy_licence_files(source_dir, folder)
-        atomic_write_text(folder / "README.md", model_card(card, entry, usage, quant_config))
+        atomic_write_text(
+            folder / "README.md", model_card(card, entry, _deployment(folder, card, entry, chat, backends))
+        )
+
+
+def _deployment(folder: Path, card: dict, entry: dict, chat: tuple, backends: dict):
+    """What the backend that made ``entry`` says; when it is no longer installed (a card re-written elsewhere), what
+    the first backend writing the same family says, else only the runtimes."""
+    from .backends import plain_deployment
+
+    same_family = [b for b in backends.values() if any(f.family == entry["family"] for f in b.formats.values())]
+    backend = backends.get(entry["backend"]) or next(iter(same_family), None)
+    return backend.deployment(folder, card, entry, chat) if backend else plain_deployment(folder, entry)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from . import __version__
-from .backends import Choice, QuantizeJob, known_runtimes, load_backends, resolve_formats
+from .backends import Choice, QuantizeJob, has_own_probe, known_runtimes, load_backends, resolve_formats
 from .calibration import CalibrationSettings
 from .card import write_card
 from .decide import Targets
@@ -28,6 +28,19 @@ from .fsutil import atomic_output, atomic_write_json, remove_path
 from .logs import capture_output, follow_progress
 from .manifest import Manifest, RunLock, clean_partials, run_stage
 from .recipes import Recipe, find_recipe, known_recipes, load_recipe
+from .rundir import (
+    CALIBRATION,
+    FETCH,
+    HOST,
+    REFERENCE,
+    TOKENS,
+    RunDir,
+    evaluate_stage,
+    intermediate_stage,
+    quantize_stage,
+    speed_stage,
+    tasks_stage,
+)
 from .settings import BY_NAME as SETTING_NAMES
 from .settings import resolve as resolve_settings
 from .source import ModelSpec, SourceModel, fetch, parse_model_ref
@@ -255,6 +268,16 @@ class Prepared:
     calibration: Path | None
 
 
+@dataclass(frozen=True)
+class Made:
+    """What one format's quantize stage made: its folder, the bytes of its weight tensors (for the roofline), and the
+    manifest key whose output digest the stages that measure it take as input."""
+
+    folder: Path
+    tensor_bytes: int
+    stage: str
+
+
 class Build:
     """One build of one model into a run directory.
 
@@ -268,6 +291,7 @@ class Build:
         self.plan = plan
         self.ui = ui
         self.run_dir = plan.run_dir
+        self.paths = RunDir(plan.run_dir)
         self.manifest: Manifest | None = None
         self.source: SourceModel | None = None
         self._intermediates_made: set[str] = set()  # shared files staged in this process (one stage per name)
@@ -282,8 +306,8 @@ class Build:
             prepared = self.prepare()
             for choice in self.plan.choices:
                 try:
-                    self.make(choice, prepared)
-                    self.measure(choice, prepared)
+                    made = self.make(choice, prepared)
+                    self.measure(choice, prepared, made)
                 except StageFailed as failure:
                     if failure.record.get("stage") != "check":  # those were told up front
                         self.ui.log(f"[red]✗[/red] {failure}")
@@ -307,8 +331,10 @@ class Build:
             elif unit in ("quantize", "evaluate"):
                 self.failures = {**(self.manifest.data.get("failures") or {}), **self.failures}
                 try:
-                    step = self.make if unit == "quantize" else self.measure
-                    step(choice, self.prepared_earlier())
+                    if unit == "quantize":
+                        self.make(choice, self.prepared_earlier())
+                    else:
+                        self.measure(choice, self.prepared_earlier(), self.made_earlier(choice))
                 except StageFailed as failure:
                     self.failures[choice.key] = failure.record
                     raise
@@ -351,43 +377,48 @@ class Build:
         windows = self.tokens()
         with LazyRunner(self.open_reference_runner, TASK_CONTEXT) as runner:
             reference = self.reference(windows, runner)
-            self.tasks("reference", runner, "fetch")
+            self.tasks(REFERENCE, runner, FETCH)
         if self.plan.speed:
             from .artifacts import tensor_bytes
 
-            self.speed(
-                "reference", ("transformers", self.source.path), tensor_bytes(self.source.path), windows[0], "fetch"
-            )
+            self.speed(REFERENCE, ("transformers", self.source.path), tensor_bytes(self.source.path), windows[0], FETCH)
         return Prepared(windows, reference, self.calibration())
 
     def prepared_earlier(self) -> Prepared:
         """A release unit's view of its model's prepare unit: the files its finished stages recorded."""
-        keys = ["tokens", "reference"] + (["calibration"] if self.plan.needs_calibration else [])
+        keys = [TOKENS, REFERENCE] + ([CALIBRATION] if self.plan.needs_calibration else [])
         missing = [key for key in keys if not self.manifest.stage(key)]
         if missing:
             raise QuantforgeError(f"{self.run_dir}: the prepare unit has not finished ({', '.join(missing)} missing)")
         path = {key: self.run_dir / next(iter(self.manifest.stage(key)["outputs"])) for key in keys}
-        return Prepared(np.load(path["tokens"]), path["reference"], path.get("calibration"))
+        return Prepared(np.load(path[TOKENS]), path[REFERENCE], path.get(CALIBRATION))
 
-    def make(self, choice: Choice, prepared: Prepared) -> None:
+    def make(self, choice: Choice, prepared: Prepared) -> Made:
         self.refuse_unsupported(choice)
         with self.contained(choice, "quantize"):
             self.intermediates(choice, prepared.calibration)
-            self.quantize(choice, self.parameters, prepared.calibration)
+            return self.quantize(choice, self.parameters, prepared.calibration)
 
-    def measure(self, choice: Choice, prepared: Prepared) -> None:
+    def made_earlier(self, choice: Choice) -> Made:
+        """A release unit's view of the quantize unit of ``choice``: what its finished stage recorded."""
+        key = quantize_stage(choice.key)
+        record = self.manifest.stage(key)
+        if not record:
+            raise QuantforgeError(f"{self.run_dir}: {choice.key} has not been quantized ({key} missing)")
+        return Made(self.run_dir / next(iter(record["outputs"])), record["result"]["tensor_bytes"], key)
+
+    def measure(self, choice: Choice, prepared: Prepared, made: Made) -> None:
         self.refuse_unsupported(choice)
         with self.contained(choice, "evaluate"):
-            self.evaluate(choice, prepared.windows, prepared.reference)
+            self.evaluate(choice, made, prepared.windows, prepared.reference)
             if self.plan.speed:
-                artifact_dir = self.run_dir / "artifacts" / choice.key
-                weight_bytes = self.manifest.stage(f"quantize/{choice.key}")["result"]["tensor_bytes"]
                 self.speed(
                     choice.key,
-                    choice.backend.probe_target(artifact_dir),
-                    weight_bytes,
+                    choice.backend.probe_target(made.folder),
+                    made.tensor_bytes,
                     prepared.windows[0],
-                    f"quantize/{choice.key}",
+                    made.stage,
+                    backend=choice.backend.name if has_own_probe(choice.backend) else None,
                 )
 
     def card(self) -> dict:
@@ -501,15 +532,15 @@ class Build:
     def record_fetch(self) -> None:
         # Fetching is re-checked on every build (cheap: cached downloads, remembered hashes), so a changed local
         # folder or a moved Hub revision reaches every downstream stage through this stage's output digest.
-        source_json = self.run_dir / "source.json"
+        source_json = self.paths.source
 
         def produce():
             atomic_write_json(source_json, self.source.to_json())
             return self.source.to_json()
 
-        self.manifest.stages.pop("fetch", None)
+        self.manifest.stages.pop(FETCH, None)
         self.stage(
-            "fetch", None, inputs={"spec": self.plan.spec.__dict__}, settings={}, outputs=[source_json], produce=produce
+            FETCH, None, inputs={"spec": self.plan.spec.__dict__}, settings={}, outputs=[source_json], produce=produce
         )
 
     # -- prepare: what every format shares -----------------------------------------------------------------------------
@@ -520,7 +551,7 @@ class Build:
 
         settings = self.plan.eval
         text = load_text(settings.text)
-        path = self.run_dir / "work" / "eval-windows.npy"
+        path = self.paths.eval_windows
 
         bos = bos_token_id(self.source.path)
 
@@ -539,9 +570,9 @@ class Build:
             }
 
         self.stage(
-            "tokens",
+            TOKENS,
             "tokenize evaluation text",
-            inputs={"source": self.digest("fetch"), "text": text.sha256},
+            inputs={"source": self.digest(FETCH), "text": text.sha256},
             # BOS is a setting of the windows: stored references made without it are never reused with it.
             settings={**settings.to_json(), "bos_token_id": bos},
             outputs=[path],
@@ -550,19 +581,19 @@ class Build:
         return np.load(path)
 
     def reference(self, windows: np.ndarray, runner: "LazyRunner") -> Path:
-        path = self.run_dir / "work" / "reference.npz"
-        inputs = {"source": self.digest("fetch"), "tokens": self.digest("tokens")}
+        path = self.paths.reference
+        inputs = {"source": self.digest(FETCH), "tokens": self.digest(TOKENS)}
 
         def produce():
             with self.ui.task("evaluate reference (transformers, float32)", total=len(windows)) as advance:
                 refs, summary = score_reference(
-                    runner.get().logits, windows, advance, progress_path=self.progress_path("reference", inputs)
+                    runner.get().logits, windows, advance, progress_path=self.progress_path(REFERENCE, inputs)
                 )
             save_reference(path, refs)
             return {**summary, "runtime": "transformers", "dtype": "float32", "threads": self.plan.threads}
 
         self.stage(
-            "reference",
+            REFERENCE,
             "evaluate reference",
             inputs=inputs,
             settings={"reference_format": REFERENCE_FORMAT},
@@ -577,7 +608,7 @@ class Build:
 
         settings = self.plan.tasks
         for name in settings["names"]:
-            path = self.run_dir / "evals" / "tasks" / key / f"{name}.json"
+            path = self.paths.tasks(key, name)
 
             def produce(name=name, path=path):
                 with self.ui.task(f"task {name} on {key} (requests)") as advance:
@@ -587,9 +618,9 @@ class Build:
                         name,
                         settings["data"],
                         settings["limit"],
-                        self.run_dir / "work",
+                        self.paths.work,
                         max_length=runner.context,
-                        log_path=self.run_dir / "logs" / f"tasks-{key}-{name}.log",
+                        log_path=self.paths.log(f"tasks-{key}-{name}"),
                         on_request=advance,
                     )
                 result["runtime"] = runner.get().runtime
@@ -598,7 +629,7 @@ class Build:
 
             data_file = settings["data_files"][name]
             self.stage(
-                f"tasks/{key}/{name}",
+                tasks_stage(key, name),
                 f"task {name} on {key}",
                 inputs={"model": self.digest(upstream), "data": data_file},
                 settings={"limit": settings["limit"]},
@@ -606,15 +637,18 @@ class Build:
                 produce=produce,
             )
 
-    def speed(self, key: str, target, weight_bytes: int, prompt: np.ndarray, upstream: str) -> None:
-        """Decode-speed probe in the format's own runtime (a separate process), set beside the roofline."""
+    def speed(
+        self, key: str, target, weight_bytes: int, prompt: np.ndarray, upstream: str, backend: str | None = None
+    ) -> None:
+        """Decode-speed probe in the format's own runtime (a separate process: quantforge's probe for the runtime,
+        or ``backend``'s own when it brings one), set beside the roofline."""
         import subprocess
         import sys
 
         from .gpus import gpu_rooflines, roofline
 
         settings = dict(self.plan.speed)
-        path = self.run_dir / "evals" / "speed" / f"{key}.json"
+        path = self.paths.speed(key)
         bandwidth = self.host()["bandwidth_gbs"]
 
         def produce():
@@ -632,7 +666,7 @@ class Build:
                 result.update(measured=False, reason=target)
             else:
                 runtime, artifact = target
-                prompt_path = self.run_dir / "work" / "probe-prompt.npy"
+                prompt_path = self.paths.probe_prompt
                 with atomic_output(prompt_path) as tmp, open(tmp, "wb") as handle:  # this run's prompt, always
                     np.save(handle, prompt[: settings["prompt_tokens"]])
                 command = [
@@ -651,8 +685,9 @@ class Build:
                     str(settings["runs"]),
                     "--threads",
                     str(self.plan.threads),
+                    *(["--backend", backend] if backend else []),
                 ]
-                log = self.run_dir / "logs" / f"speed-{key}.log"
+                log = self.paths.log(f"speed-{key}")
                 log.parent.mkdir(parents=True, exist_ok=True)
                 with self.ui.task(f"speed {key} ({runtime})"), open(log, "ab") as stream:
                     done = subprocess.run(command, stdout=subprocess.PIPE, stderr=stream, text=True)
@@ -665,11 +700,11 @@ class Build:
             return result
 
         self.stage(
-            f"speed/{key}",
+            speed_stage(key),
             f"speed {key}",
             inputs={
                 "model": self.digest(upstream),
-                "host": self.digest("host"),
+                "host": self.digest(HOST),
                 "prompt": hashlib.sha256(
                     np.ascontiguousarray(prompt[: settings["prompt_tokens"]]).tobytes()
                 ).hexdigest(),
@@ -687,7 +722,7 @@ class Build:
 
         from .probe import bandwidth_buffer_bytes
 
-        path = self.run_dir / "work" / "host.json"
+        path = self.paths.host
 
         threads = self.plan.threads
         buffer_bytes = bandwidth_buffer_bytes()
@@ -711,7 +746,7 @@ class Build:
         machine = {"node": platform.node(), "machine": platform.machine(), "cpus": os.cpu_count()}
         settings = {"threads": threads, "buffer_bytes": buffer_bytes}
         if self._host is None:
-            self._host = self.stage("host", None, inputs=machine, settings=settings, outputs=[path], produce=produce)
+            self._host = self.stage(HOST, None, inputs=machine, settings=settings, outputs=[path], produce=produce)
         return self._host.result
 
     def calibration(self) -> Path | None:
@@ -722,7 +757,7 @@ class Build:
 
         settings = self.plan.calibration
         text = load_calibration_text(settings.dataset)
-        path = self.run_dir / "work" / "calibration.npy"
+        path = self.paths.calibration
 
         def produce():
             with self.ui.task(f"calibration set ({text.name})"):
@@ -732,9 +767,9 @@ class Build:
             return {"text": text.describe(), **settings.to_json()}
 
         self.stage(
-            "calibration",
+            CALIBRATION,
             "tokenize calibration set",
-            inputs={"source": self.digest("fetch"), "text": text.sha256},
+            inputs={"source": self.digest(FETCH), "text": text.sha256},
             settings=settings.to_json(),
             outputs=[path],
             produce=produce,
@@ -757,14 +792,14 @@ class Build:
                     job = self.quantize_job(choice, tmp, calibration if shared.uses_calibration else None)
                     return shared.build(job) or {}
 
-            inputs = {"source": self.digest("fetch")}
-            inputs.update({need: self.digest(f"intermediate/{need}") for need in shared.needs})
+            inputs = {"source": self.digest(FETCH)}
+            inputs.update({need: self.digest(intermediate_stage(need)) for need in shared.needs})
             if shared.uses_calibration:
-                inputs["calibration"] = self.digest("calibration")
-            self.stage(f"intermediate/{name}", None, inputs=inputs, settings={}, outputs=[path], produce=produce)
+                inputs["calibration"] = self.digest(CALIBRATION)
+            self.stage(intermediate_stage(name), None, inputs=inputs, settings={}, outputs=[path], produce=produce)
 
     def intermediate_path(self, name: str, suffix: str) -> Path:
-        return self.run_dir / "work" / f"{self.source.name}-{name}{suffix}"
+        return self.paths.intermediate(self.source.name, name, suffix)
 
     def quantize_job(self, choice: Choice, out: Path, calibration: Path | None, checkpoint_dir: Path | None = None):
         return QuantizeJob(
@@ -773,7 +808,7 @@ class Build:
             self.plan.quantize,
             out,
             self.recorded_intermediate,
-            self.run_dir / "logs",
+            self.paths.logs,
             calibration=calibration,
             threads=self.plan.threads,
             device=self.plan.device,
@@ -782,17 +817,17 @@ class Build:
         )
 
     def recorded_intermediate(self, name: str) -> Path:
-        record = self.manifest.stage(f"intermediate/{name}")
+        record = self.manifest.stage(intermediate_stage(name))
         if not record:
             raise QuantforgeError(f"intermediate {name} was not made before the quantize stage that needs it")
         return self.run_dir / next(iter(record["outputs"]))
 
-    def quantize(self, choice: Choice, parameters: int, calibration: Path | None) -> Path:
+    def quantize(self, choice: Choice, parameters: int, calibration: Path | None) -> Made:
         from .artifacts import measure
 
-        artifact_dir = self.run_dir / "artifacts" / choice.key
-        log_dir = self.run_dir / "logs"
-        checkpoint_dir = self.run_dir / "work" / "checkpoints" / choice.key
+        artifact_dir = self.paths.artifact(choice.key)
+        log_dir = self.paths.logs
+        checkpoint_dir = self.paths.checkpoint(choice.key)
         uses_calibration = choice.backend.needs_calibration
 
         def produce():
@@ -811,36 +846,36 @@ class Build:
             remove_path(checkpoint_dir)  # only a finished artifact makes the layer checkpoints obsolete
             return {**facts, **measure(choice.backend.artifact_file(artifact_dir), parameters)}
 
-        inputs = {"source": self.digest("fetch")}
+        inputs = {"source": self.digest(FETCH)}
         if uses_calibration:
-            inputs["calibration"] = self.digest("calibration")
-        self.stage(
-            f"quantize/{choice.key}",
+            inputs["calibration"] = self.digest(CALIBRATION)
+        done = self.stage(
+            quantize_stage(choice.key),
             f"quantize {choice.key}",
             inputs=inputs,
             settings={"format": choice.format.name, "backend": choice.backend.name, **self.plan.quantize},
             outputs=[artifact_dir],
             produce=produce,
         )
-        return artifact_dir
+        return Made(artifact_dir, done.result["tensor_bytes"], quantize_stage(choice.key))
 
     # -- measure: one format's figures (with tasks and speed above) ----------------------------------------------------
 
-    def evaluate(self, choice: Choice, windows: np.ndarray, reference_path: Path) -> None:
-        path = self.run_dir / "evals" / f"{choice.key}.json"
-        artifact_dir = self.run_dir / "artifacts" / choice.key
+    def evaluate(self, choice: Choice, made: Made, windows: np.ndarray, reference_path: Path) -> None:
+        path = self.paths.evaluation(choice.key)
+        artifact_dir = made.folder
         context = max(int(windows.shape[1]), TASK_CONTEXT if self.plan.tasks["names"] else 0)
 
         def open_runner():
-            with capture_output(self.run_dir / "logs" / f"evaluate-{choice.key}.log"):
+            with capture_output(self.paths.log(f"evaluate-{choice.key}")):
                 return choice.backend.open_runner(
                     artifact_dir, context=context, threads=self.plan.threads, device=self.plan.device
                 )
 
         inputs = {
-            "artifact": self.digest(f"quantize/{choice.key}"),
-            "reference": self.digest("reference"),
-            "tokens": self.digest("tokens"),
+            "artifact": self.digest(made.stage),
+            "reference": self.digest(REFERENCE),
+            "tokens": self.digest(TOKENS),
         }
         with LazyRunner(open_runner, context) as runner:
 
@@ -864,14 +899,14 @@ class Build:
                 return summary
 
             self.stage(
-                f"evaluate/{choice.key}",
+                evaluate_stage(choice.key),
                 f"evaluate {choice.key}",
                 inputs=inputs,
                 settings={"threads": self.plan.threads},
                 outputs=[path],
                 produce=produce,
             )
-            self.tasks(choice.key, runner, f"quantize/{choice.key}")
+            self.tasks(choice.key, runner, made.stage)
 
     # -- stage plumbing ------------------------------------------------------------------------------------------------
 
@@ -891,7 +926,7 @@ class Build:
         """Where an evaluation keeps per-window results; named by its inputs, so a stale one is never reused."""
         from .fsutil import sha256_json
 
-        return self.run_dir / "work" / "progress" / f"{key}-{sha256_json(inputs)[:16]}.npz"
+        return self.paths.progress(key, sha256_json(inputs))
 
     @contextlib.contextmanager
     def contained(self, choice: Choice, stage: str):
@@ -902,7 +937,7 @@ class Build:
         """
         from .failures import describe_failure, is_environment_error
 
-        log = self.run_dir / "logs" / f"{stage}-{choice.key}.log"
+        log = self.paths.log(f"{stage}-{choice.key}")
         try:
             yield
         except StageFailed:
@@ -929,7 +964,7 @@ def resource_plan(plan: Plan, facts: dict, host) -> dict:
     from .resources import ModelSize, PlanInputs, make_resource_plan
 
     inputs = PlanInputs(
-        formats=[(c.key, c.backend.name, c.format.nominal_bits) for c in plan.choices],
+        formats=[(c.key, c.format.family, c.format.nominal_bits) for c in plan.choices],
         context=plan.eval.context,
         windows=plan.eval.windows,
         calibration_tokens=plan.calibration.samples * plan.calibration.seqlen if plan.needs_calibration else 0,

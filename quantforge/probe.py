@@ -208,7 +208,11 @@ def peak_rss_mb() -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Decode-speed probe of one artifact, or the host's bandwidth (JSON)")
-    parser.add_argument("--runtime", choices=sorted(PROBES))
+    parser.add_argument(
+        "--runtime",
+        help=f"the runtime to time the artifact in ({', '.join(sorted(PROBES))}, or one the --backend knows)",
+    )
+    parser.add_argument("--backend", help="the backend that made the artifact; its probe() runs it (default: ours)")
     parser.add_argument("--path", type=Path)
     parser.add_argument("--prompt", type=Path, help=".npy file of prompt token ids")
     parser.add_argument("--gen-tokens", type=int, default=64)
@@ -222,8 +226,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not (args.runtime and args.path and args.prompt):
         parser.error("--runtime, --path and --prompt are needed for a speed probe")
+    if not args.backend and args.runtime not in PROBES:
+        parser.error(f"--runtime must be one of {', '.join(sorted(PROBES))} without --backend")
     prompt = [int(t) for t in np.load(args.prompt)]
-    result = PROBES[args.runtime](args.path, prompt, args.gen_tokens, args.threads, args.runs)
+    if args.backend:
+        from .backends import load_backend
+
+        result = load_backend(args.backend).probe(
+            args.runtime, args.path, prompt, args.gen_tokens, args.threads, args.runs
+        )
+    else:
+        result = PROBES[args.runtime](args.path, prompt, args.gen_tokens, args.threads, args.runs)
     result["peak_rss_mb"] = peak_rss_mb()
     print(json.dumps(result))
     return 0

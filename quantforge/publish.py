@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .errors import QuantforgeError, one_line
 from .fsutil import atomic_output, atomic_write_json, atomic_write_text, sha256_file
+from .rundir import RunDir
 
 PUSH_RECORD = "push.json"
 GGUF_LAYOUTS = ("one", "per-format")
@@ -144,7 +145,7 @@ def plan_uploads(run_dir: Path, card: dict, base: str, gguf_layout: str, split_b
             folder = run_dir / entry["artifact"]
             gguf_file = sorted(folder.glob("*.gguf"))[0]
             if split_bytes and gguf_file.stat().st_size > split_bytes:
-                shards = split_gguf(gguf_file, split_bytes, run_dir / "publish" / "split" / entry["key"])
+                shards = split_gguf(gguf_file, split_bytes, RunDir(run_dir).publish() / "split" / entry["key"])
                 upload.files.update({shard.name: shard for shard in shards})
                 names[entry["key"]] = [shard.name for shard in shards]
             else:
@@ -158,7 +159,7 @@ def plan_uploads(run_dir: Path, card: dict, base: str, gguf_layout: str, split_b
         if len(group) == 1:
             upload.files["README.md"] = run_dir / group[0]["artifact"] / "README.md"
         else:
-            readme = run_dir / "publish" / "gguf-README.md"
+            readme = RunDir(run_dir).publish() / "gguf-README.md"
             atomic_write_text(readme, write_gguf_repo_card(card, group, repo_id, names))
             upload.files["README.md"] = readme
         uploads.append(upload)
@@ -201,7 +202,7 @@ def push_run(
     check_token()
     if gguf_layout not in GGUF_LAYOUTS:
         raise QuantforgeError(f"--gguf-repos {gguf_layout}: choose one of {', '.join(GGUF_LAYOUTS)}")
-    card_path = run_dir / "card.json"
+    card_path = RunDir(run_dir).card
     if not card_path.exists():
         raise QuantforgeError(f"{run_dir} holds no card.json: run 'quantforge build' first, then push")
     card = json.loads(card_path.read_text())

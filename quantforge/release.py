@@ -23,6 +23,18 @@ import yaml
 
 from .errors import QuantforgeError, one_line
 from .recipes import TARGETS_SCHEMA, _check, read_yaml_text
+from .rundir import (
+    CALIBRATION,
+    HOST,
+    REFERENCE,
+    TOKENS,
+    RunDir,
+    evaluate_stage,
+    intermediate_stage,
+    quantize_stage,
+    speed_stage,
+    tasks_stage,
+)
 from .settings import file_schema, from_file
 
 MODEL_SETTINGS = {
@@ -137,9 +149,9 @@ class Unit:
 
 
 UNIT_STAGES = {  # the stages a unit runs, as prefixes of their manifest keys ({key}: the unit's format)
-    "prepare": ("tokens", "reference", "tasks/reference/", "speed/reference", "host", "calibration"),
-    "quantize": ("intermediate/", "quantize/{key}"),
-    "evaluate": ("evaluate/{key}", "tasks/{key}/", "speed/{key}"),
+    "prepare": (TOKENS, REFERENCE, tasks_stage(REFERENCE), speed_stage(REFERENCE), HOST, CALIBRATION),
+    "quantize": (intermediate_stage(""), quantize_stage("{key}")),
+    "evaluate": (evaluate_stage("{key}"), tasks_stage("{key}"), speed_stage("{key}")),
     "card": ("card",),
     "push": (),
 }
@@ -177,7 +189,7 @@ def plan_release(release: Release) -> tuple[list[Unit], dict]:
         plan = make_plan(build_request(release, model))
         plans[model.name] = plan
         resource_plan = _resource_plan(plan)
-        stages = Manifest.open(plan.run_dir).stages if (plan.run_dir / "run.json").exists() else {}
+        stages = Manifest.open(plan.run_dir).stages if RunDir(plan.run_dir).manifest.exists() else {}
         gpus = 1 if plan.device.startswith("cuda") else 0  # --device cuda: each unit holds one GPU
 
         def unit(kind, key=None, depends=(), done=False, model=model, gpus=gpus, resource_plan=resource_plan):
@@ -193,22 +205,20 @@ def plan_release(release: Release) -> tuple[list[Unit], dict]:
                 done,
             )
 
-        prepare = unit(
-            "prepare", done="reference" in stages and (not plan.needs_calibration or "calibration" in stages)
-        )
+        prepare = unit("prepare", done=REFERENCE in stages and (not plan.needs_calibration or CALIBRATION in stages))
         units.append(prepare)
         evaluations = []
         for choice in plan.choices:
-            quantize = unit("quantize", choice.key, [prepare.id], f"quantize/{choice.key}" in stages)
+            quantize = unit("quantize", choice.key, [prepare.id], quantize_stage(choice.key) in stages)
             evaluate = unit(
                 "evaluate",
                 choice.key,
                 [quantize.id],
-                f"evaluate/{choice.key}" in stages and (not plan.speed or f"speed/{choice.key}" in stages),
+                evaluate_stage(choice.key) in stages and (not plan.speed or speed_stage(choice.key) in stages),
             )
             units += [quantize, evaluate]
             evaluations.append(evaluate.id)
-        card, manifest = plan.run_dir / "card.json", plan.run_dir / "run.json"
+        card, manifest = RunDir(plan.run_dir).card, RunDir(plan.run_dir).manifest
         card_current = card.exists() and card.stat().st_mtime >= manifest.stat().st_mtime
         card_unit = unit(
             "card", None, evaluations, card_current and all(u.done for u in units if u.model == model.name)

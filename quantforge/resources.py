@@ -17,6 +17,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import QuantforgeError
+from .rundir import (
+    CALIBRATION,
+    HOST,
+    REFERENCE,
+    evaluate_stage,
+    intermediate_stage,
+    quantize_stage,
+    speed_stage,
+    tasks_stage,
+)
 
 DISK_MARGIN = 1.10  # headroom for temporary names, logs and the card
 GB = 1e9
@@ -165,7 +175,7 @@ class StagePlan:
 class PlanInputs:
     """The build's choices the plan depends on (from pipeline.Plan)."""
 
-    formats: list  # (key, backend name, nominal bits)
+    formats: list  # (key, family, nominal bits): "gguf" is made and run by llama.cpp, others by torch
     context: int
     windows: int
     calibration_tokens: int  # samples x seqlen when a format calibrates, else 0
@@ -223,38 +233,36 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> list[St
         return StagePlan(key, seconds, rss)
 
     reference_weights = _resident_weights(size)
-    stages.append(torch_stage("reference", "reference", eval_tokens, reference_weights, "reference"))
+    stages.append(torch_stage(REFERENCE, "reference", eval_tokens, reference_weights, "reference"))
     for task in inputs.tasks:
-        stages.append(torch_stage(f"tasks/reference/{task}", "tasks", 0, reference_weights, "evaluate"))
+        stages.append(torch_stage(tasks_stage(REFERENCE, task), "tasks", 0, reference_weights, "evaluate"))
     if inputs.calibration_tokens:
-        stages.append(StagePlan("calibration", FIXED_SECONDS["calibration"], base))
+        stages.append(StagePlan(CALIBRATION, FIXED_SECONDS["calibration"], base))
     from .probe import bandwidth_buffer_bytes
 
     # the bandwidth probe, a child process, copies one buffer larger than the caches into another
-    stages.append(
-        StagePlan("host", FIXED_SECONDS["host"], max(base, PROBE_PROCESS_BYTES + 2 * bandwidth_buffer_bytes()))
-    )
-    if any(backend == "llamacpp" for _, backend, _ in inputs.formats):
+    stages.append(StagePlan(HOST, FIXED_SECONDS["host"], max(base, PROBE_PROCESS_BYTES + 2 * bandwidth_buffer_bytes())))
+    if any(family == "gguf" for _, family, _ in inputs.formats):
         seconds = FIXED_SECONDS["intermediate/gguf-f16"] + CONVERT_SECONDS_PER_GB * size.stored_bytes / GB
         # The converter is a child process that maps the checkpoint and writes tensor by tensor (measured: 0.9 of
         # the checkpoint resident at its peak); the build process waits beside it.
         peak = max(base, int(CONVERTER_RSS + 0.9 * size.stored_bytes))
-        stages.append(StagePlan("intermediate/gguf-f16", seconds, peak, size.bf16_bytes, note="child process"))
+        stages.append(StagePlan(intermediate_stage("gguf-f16"), seconds, peak, size.bf16_bytes, note="child process"))
     bits_of = {key: bits for key, _, bits in inputs.formats}
-    for key, backend, bits in inputs.formats:
+    for key, family, bits in inputs.formats:
         artifact = int(size.parameters * bits / 8)
-        if backend == "llamacpp":
+        if family == "gguf":
             seconds = FIXED_SECONDS["quantize/gguf"] + size.parameters / (
                 GGUF_QUANTIZE_PARAMETERS_PER_SECOND * max(1, host.threads)
             )
             # llama.cpp maps the F16 file and streams through it (measured: 0.75 of it resident at the peak).
-            stages.append(StagePlan(f"quantize/{key}", seconds, int(base + 0.75 * size.bf16_bytes), artifact))
+            stages.append(StagePlan(quantize_stage(key), seconds, int(base + 0.75 * size.bf16_bytes), artifact))
             # llama.cpp's quantized kernels run further below the GEMM rate on narrow layers (measured: SmolLM2's
             # 576-wide ones at about half the rate of Qwen's 896-wide ones, relative to the FLOPs).
             narrow = max(1.0, NARROW_WIDTH / size.hidden_size)
             seconds = FIXED_SECONDS["evaluate"] + TIME_FACTORS["evaluate/gguf"] * narrow * flop_seconds * eval_tokens
             stages.append(
-                StagePlan(f"evaluate/{key}", seconds, base + artifact + _llama_window_bytes(size, inputs.context))
+                StagePlan(evaluate_stage(key), seconds, base + artifact + _llama_window_bytes(size, inputs.context))
             )
         else:
             method = "int8" if key == "int8" else "gptq"
@@ -262,22 +270,22 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> list[St
             seconds = FIXED_SECONDS["quantize/torch"] + TIME_FACTORS[f"quantize/{method}"] * flop_seconds * calibration
             # The library holds the bf16 model, one layer's calibration activations and its Hessians.
             held = size.bf16_bytes + calibration * size.hidden_size * 4 * 4 + 4 * size.intermediate_size**2 * 4
-            plan = StagePlan(f"quantize/{key}", seconds, base + held, artifact)
+            plan = StagePlan(quantize_stage(key), seconds, base + held, artifact)
             if on_gpu:
                 plan.vram_bytes, plan.peak_rss_bytes = held, base + size.bf16_bytes
             stages.append(plan)
             # Packed weights, plus the unquantized embedding table (and LM head, when untied) in 16 bits.
             unquantized = size.vocab_size * size.hidden_size * 2 * (1 if size.tie_word_embeddings else 2)
             stages.append(
-                torch_stage(f"evaluate/{key}", "evaluate/torch", eval_tokens, artifact + unquantized, "evaluate")
+                torch_stage(evaluate_stage(key), "evaluate/torch", eval_tokens, artifact + unquantized, "evaluate")
             )
         for task in inputs.tasks:
-            stages.append(torch_stage(f"tasks/{key}/{task}", "tasks", 0, artifact, "evaluate"))
+            stages.append(torch_stage(tasks_stage(key, task), "tasks", 0, artifact, "evaluate"))
     if inputs.speed_tokens:
-        for key in ["reference", *bits_of]:
+        for key in [REFERENCE, *bits_of]:
             seconds = FIXED_SECONDS["speed"] + 3 * flop_seconds * inputs.speed_tokens
-            held = size.stored_bytes if key == "reference" else int(bits_of[key] * size.parameters / 8)
-            stages.append(StagePlan(f"speed/{key}", seconds, base + held, note="child process"))
+            held = size.stored_bytes if key == REFERENCE else int(bits_of[key] * size.parameters / 8)
+            stages.append(StagePlan(speed_stage(key), seconds, base + held, note="child process"))
     stages.append(StagePlan("card", FIXED_SECONDS["card"], base))
     return stages
 

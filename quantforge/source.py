@@ -64,10 +64,6 @@ class SourceModel:
         data["path"] = str(self.path)
         return data
 
-    @classmethod
-    def from_json(cls, data: dict) -> "SourceModel":
-        return cls(**{**data, "path": Path(data["path"])})
-
 
 @dataclass(frozen=True)
 class ModelSpec:

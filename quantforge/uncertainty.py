@@ -23,7 +23,6 @@ import numpy as np
 CONFIDENCE = 0.95
 BOOTSTRAP_SAMPLES = 2000
 Z95 = 1.959963984540054
-WINDOW_METRICS = ("perplexity_increase_pct", "kld_mean", "top1_agreement")
 
 
 def window_sums(nll: list[np.ndarray], ref_nll: list[np.ndarray], kld: list[np.ndarray], agree: list[np.ndarray]):

@@ -51,6 +51,7 @@ def arch_run(tiny_model, tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ARCHITECTURES)
 def test_every_architecture_builds_and_matches_its_reference(kind, arch_run):
     result, out = arch_run(kind)
@@ -81,6 +82,7 @@ def test_every_architecture_builds_and_matches_its_reference(kind, arch_run):
         assert metrics[key]["kld_mean"] < 0.5, (key, metrics[key])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(ADDS_BOS) + ["llama"])
 def test_windows_start_with_bos_exactly_when_the_tokenizer_adds_it(kind, arch_run, tiny_model):
     from transformers import AutoTokenizer
@@ -102,6 +104,7 @@ def test_windows_start_with_bos_exactly_when_the_tokenizer_adds_it(kind, arch_ru
     assert scored == {card["reference"]["tokens_scored"]} == {windows.size - len(windows)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mistral", "qwen3"])
 def test_compressed_tensors_artifact_loads_in_transformers(kind, arch_run):
     """The int8 folder is what vLLM and transformers load: transformers reads it and generates. (Not for the

@@ -10,6 +10,8 @@ from conftest import CALIBRATION, FAST_EVAL, build_run, read_json
 
 from quantforge.backends.llamacpp import tensor_types
 
+pytestmark = pytest.mark.slow  # one build with three calibrated backends (about 80 s)
+
 
 @pytest.fixture(scope="module")
 def both_run(tiny_llama, tmp_path_factory):

@@ -76,6 +76,7 @@ def test_greedy_generation_stops_at_a_stop_string_and_refuses_sampling(tiny_llam
     runner.close()
 
 
+@pytest.mark.slow
 def test_a_generation_task_runs_for_gguf_and_a_torch_format(tiny_llama, gsm_data, short_gsm8k, tmp_path):
     args = ["--formats", "gguf-q8_0,gptq-int4", *FAST_EVAL, "--calib-samples", "8", "--calib-seqlen", "128"]
     args += ["--tasks", "gsm8k", "--tasks-data", str(gsm_data), "--limit", "3"]

@@ -22,27 +22,9 @@ PROMPT_IDS = np.array(
 )
 
 
-PROMPT = "The capital of France is Paris. In 2024, 12345 apples cost $3.50, and the train left at 10:45."
-
-
-def _prompt_ids(folder) -> np.ndarray:
-    """The prompt as the model's own tokenizer encodes it, BOS included when the tokenizer adds it."""
-    from transformers import AutoTokenizer
-
-    return np.asarray(AutoTokenizer.from_pretrained(folder)(PROMPT)["input_ids"], dtype=np.int32)
-
-
 def _kl(reference_logits: np.ndarray, logits: np.ndarray) -> float:
     p, q = log_softmax(reference_logits), log_softmax(logits)
     return float(np.mean((np.exp(p) * (p - q)).sum(axis=-1)))
-
-
-def _gguf_logits(path, ids) -> np.ndarray:
-    runner = LlamaCppRunner(path, context=64, threads=2)
-    try:
-        return runner.logits(ids)
-    finally:
-        runner.close()
 
 
 def test_f16_gguf_matches_transformers_on_smollm2(smollm2_dir, tmp_path):

@@ -14,6 +14,7 @@ def hub_env(tmp_path):
     return {"HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"), "HF_HUB_DISABLE_XET": "1"}
 
 
+@pytest.mark.slow
 def test_build_from_the_hub_then_offline_from_the_cache(tiny_llama, tmp_path, hub_env):
     with FakeHub({"acme/tiny-llama": tiny_llama}) as hub:
         env = {**hub_env, "HF_ENDPOINT": hub.endpoint}

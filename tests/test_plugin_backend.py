@@ -1,5 +1,7 @@
-"""A third party's backend: one module and one entry point in a throwaway distribution, installed by pip beside
-quantforge, is found by name, builds its format, is evaluated like ours and appears on the card."""
+"""Third parties' backends: each one module and one entry point in a throwaway distribution, installed by pip beside
+quantforge, found by name, building its format, evaluated like ours and on the card. One writes GGUF and is timed
+and served in a runtime of its own; the other writes a Hugging Face folder with a quant_method quantforge does not
+know and brings the dequantizer its evaluation uses."""
 
 from __future__ import annotations
 
@@ -12,9 +14,12 @@ import pytest
 from conftest import FAST_EVAL, build_run, quantforge_cli, read_json
 
 PLUGIN_MODULE = '''
-"""GGUF Q4_0 (llama.cpp's legacy 4-bit type), a format quantforge itself does not list."""
+"""GGUF Q4_0 (llama.cpp's legacy 4-bit type), a format quantforge itself does not list, served by "q40-server"."""
+import dataclasses
+
 from quantforge.backends import Format
 from quantforge.backends.llamacpp import GGUF_RUNTIMES, LlamaCppBackend, quantize_gguf
+from quantforge.probe import probe_llama_cpp
 
 Q4_0 = 2  # LLAMA_FTYPE_MOSTLY_Q4_0
 
@@ -29,6 +34,64 @@ class Q40Backend(LlamaCppBackend):
         target = job.out / f"{job.source.name}-Q4_0.gguf"
         facts = quantize_gguf(job.intermediate("gguf-f16"), target, Q4_0, job.threads, job.log_dir / "q40.log")
         return {**facts, "quantizer": "q40-demo plugin"}
+
+    def probe_target(self, artifact_dir):
+        return "q40-server", self.artifact_file(artifact_dir)
+
+    def probe(self, runtime, path, prompt, gen_tokens, threads, runs):
+        assert runtime == "q40-server"
+        return {**probe_llama_cpp(path, prompt, gen_tokens, threads, runs), "server": "q40-server 0.1"}
+
+    def deployment(self, folder, card, entry, chat):
+        ours = super().deployment(folder, card, entry, chat)
+        serve = ["```bash", f"q40-server --model {self.artifact_file(folder).name}", "```", ""]
+        return dataclasses.replace(ours, tags=[*ours.tags, "q4_0"], usage=[*serve, *ours.usage])
+'''
+
+RTN_MODULE = '''
+"""Per-output-channel int8 round-to-nearest decoder weights in a Hugging Face folder (quant_method "rtn-demo")."""
+import json
+
+from quantforge.backends import Deployment, Format
+from quantforge.backends.hf import HFFolderBackend
+
+
+def dequantize_rtn(tensors, prefix, quant):
+    return tensors[f"{prefix}.qweight_rtn"].float() * tensors[f"{prefix}.scale_rtn"][:, None]
+
+
+class RTNBackend(HFFolderBackend):
+    name = "rtn-demo"
+    needs_calibration = False
+    formats = {"rtn-int8": Format("rtn-int8", "hf", "RTN W8A16", ("rtn-runtime",), 8.0, "int8 RTN (plugin)", "RTN")}
+    dequantizers = {"rtn-demo": ("qweight_rtn", dequantize_rtn)}
+
+    def quantize(self, job):
+        import torch
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(job.source.path, dtype=torch.float32)
+        tensors = {}
+        for name, weight in model.state_dict().items():
+            prefix = name.removesuffix(".weight")
+            if ".layers." in name and name.endswith("_proj.weight"):  # the decoder's Linears
+                scale = weight.abs().amax(dim=1).clamp(min=1e-8) / 127
+                tensors[f"{prefix}.qweight_rtn"] = torch.round(weight / scale[:, None]).to(torch.int8)
+                tensors[f"{prefix}.scale_rtn"] = scale
+            else:
+                tensors[name] = weight.clone()
+        job.out.mkdir(parents=True)
+        save_file(tensors, job.out / "model.safetensors")
+        config = model.config.to_dict()
+        config["quantization_config"] = {"quant_method": "rtn-demo", "bits": 8}
+        (job.out / "config.json").write_text(json.dumps(config, indent=2))
+        AutoTokenizer.from_pretrained(job.source.path).save_pretrained(job.out)
+        return {"bits": 8, "quantizer": "rtn-demo plugin"}
+
+    def deployment(self, folder, card, entry, chat):
+        usage = ["```bash", f"rtn-runtime serve ./{folder.name}", "```"]
+        return Deployment("transformers", ["rtn-demo"], {"quant_method": "rtn-demo", "bits": 8}, usage)
 '''
 
 
@@ -37,8 +100,10 @@ def plugin_site(tmp_path_factory):
     """pip-installs the throwaway distribution into a folder of its own (never into the test environment)."""
     root = tmp_path_factory.mktemp("plugin")
     project = root / "project"
-    (project / "qf_q40_demo").mkdir(parents=True)
-    (project / "qf_q40_demo" / "__init__.py").write_text(textwrap.dedent(PLUGIN_MODULE))
+    (project / "qf_demo").mkdir(parents=True)
+    (project / "qf_demo" / "__init__.py").write_text("")
+    (project / "qf_demo" / "q40.py").write_text(textwrap.dedent(PLUGIN_MODULE))
+    (project / "qf_demo" / "rtn.py").write_text(textwrap.dedent(RTN_MODULE))
     (project / "pyproject.toml").write_text(
         textwrap.dedent(
             """
@@ -47,11 +112,12 @@ def plugin_site(tmp_path_factory):
             build-backend = "setuptools.build_meta"
 
             [project]
-            name = "qf-q40-demo"
+            name = "qf-demo-backends"
             version = "0.1"
 
             [project.entry-points."quantforge.backends"]
-            q40-demo = "qf_q40_demo:Q40Backend"
+            q40-demo = "qf_demo.q40:Q40Backend"
+            rtn-demo = "qf_demo.rtn:RTNBackend"
             """
         )
     )
@@ -70,9 +136,12 @@ def test_the_plugin_format_is_listed_with_its_backend(plugin_site):
     assert "gguf-q4_0" not in {row["format"] for row in json.loads(quantforge_cli("formats", "--json").stdout)}
 
 
+@pytest.mark.slow
 def test_the_plugin_format_builds_evaluates_and_is_on_the_card(plugin_site, tiny_llama, tmp_path):
     env = {"PYTHONPATH": str(plugin_site)}
-    run = build_run(tiny_llama, tmp_path / "run", "--formats", "gguf-q4_0,gguf-q8_0", *FAST_EVAL, env=env)
+    speed = ["--speed", "--prompt-tokens", "16", "--gen-tokens", "4"]
+    args = ["--formats", "gguf-q4_0,gguf-q8_0", *(a for a in FAST_EVAL if a != "--no-speed"), *speed]
+    run = build_run(tiny_llama, tmp_path / "run", *args, env=env)
     card = read_json(run / "card.json")
     entries = {entry["key"]: entry for entry in card["formats"]}
     plugin = entries["gguf-q4_0"]
@@ -83,7 +152,16 @@ def test_the_plugin_format_builds_evaluates_and_is_on_the_card(plugin_site, tiny
     assert plugin["metrics"]["kld_mean"] > entries["gguf-q8_0"]["metrics"]["kld_mean"] > 0
     assert plugin["bits_per_weight"] < entries["gguf-q8_0"]["bits_per_weight"]
     assert "gguf-q4_0" in (run / "card.md").read_text()
-    assert (run / "artifacts" / "gguf-q4_0" / "README.md").exists()  # its model card, like every artifact's
+    # timed in its own runtime by its own probe (in the probe's process), ours by ours
+    assert plugin["speed"]["measured"] and plugin["speed"]["runtime"] == "q40-server"
+    assert plugin["speed"]["server"] == "q40-server 0.1" and plugin["speed"]["decode_tps"] > 0
+    assert entries["gguf-q8_0"]["speed"]["runtime"] == "llama.cpp" and "server" not in entries["gguf-q8_0"]["speed"]
+    # its model card (like every artifact's) says how to serve it, in its words and ours
+    readme = (run / "artifacts" / "gguf-q4_0" / "README.md").read_text()
+    assert "q40-server --model " in readme and "llama-server" in readme
+    assert "- q4_0" in readme.split("---")[1] and "- gguf" in readme.split("---")[1]
+    assert (run / "artifacts" / "gguf-q4_0" / "Modelfile").exists()
+    assert "q40-server" not in (run / "artifacts" / "gguf-q8_0" / "README.md").read_text()
     # runtimes are those of the loaded backends: the plugin's own is a valid --runtime where the plugin is installed
     served = quantforge_cli(
         "card", str(run), "--json", "--runtime", "q40-server", "--max-ppl-increase", "1000", env=env
@@ -92,3 +170,19 @@ def test_the_plugin_format_builds_evaluates_and_is_on_the_card(plugin_site, tiny
     assert json.loads(served.stdout)["decision"]["recommended"] == "gguf-q4_0"
     unknown = quantforge_cli("card", str(run), "--runtime", "q40-server")
     assert unknown.returncode == 2 and "unknown runtime 'q40-server'" in unknown.stderr
+
+
+def test_a_plugin_hf_format_is_evaluated_through_its_own_dequantizer(plugin_site, tiny_llama, tmp_path):
+    env = {"PYTHONPATH": str(plugin_site)}
+    run = build_run(tiny_llama, tmp_path / "run", "--formats", "rtn-int8,gguf-q4km", *FAST_EVAL, env=env)
+    card = read_json(run / "card.json")
+    entries = {entry["key"]: entry for entry in card["formats"]}
+    rtn = entries["rtn-int8"]
+    assert rtn["backend"] == "rtn-demo" and rtn["family"] == "hf" and rtn["runtimes"] == ["rtn-runtime"]
+    assert rtn["how"]["runtime"].startswith("transformers (dequantized in torch)")
+    assert rtn["metrics"]["tokens_scored"] == card["reference"]["tokens_scored"]
+    # 8-bit per-channel weights lose some of the reference's distribution, less than 4.9-bit Q4_K_M
+    assert 0 < rtn["metrics"]["kld_mean"] < entries["gguf-q4km"]["metrics"]["kld_mean"]
+    readme = (run / "artifacts" / "rtn-int8" / "README.md").read_text()
+    assert "rtn-runtime serve ./rtn-int8" in readme and "vllm serve" not in readme
+    assert "- rtn-demo" in readme.split("---")[1] and "| weight bits | 8 |" in readme

@@ -50,6 +50,7 @@ def local_release(models, tmp_path_factory):
     return path, base / "out"
 
 
+@pytest.mark.slow
 def test_local_release_writes_a_card_per_model(local_release):
     _, out = local_release
     for name in ("tiny-llama", "tiny-qwen2"):
@@ -58,6 +59,7 @@ def test_local_release_writes_a_card_per_model(local_release):
     assert [e["key"] for e in read_json(out / "tiny-qwen2" / "card.json")["formats"]] == ["gguf-q8_0", "gguf-q5km"]
 
 
+@pytest.mark.slow
 def test_dry_run_lists_every_unit_and_what_is_done(local_release):
     path, _ = local_release
     result = quantforge_cli("release", str(path), "--dry-run", "--json")
@@ -70,6 +72,7 @@ def test_dry_run_lists_every_unit_and_what_is_done(local_release):
     assert quantize["resources"]["memory_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_rerun_redoes_nothing(local_release):
     path, out = local_release
     before = {name: read_json(out / name / "run.json")["stages"] for name in ("tiny-llama", "tiny-qwen2")}
@@ -84,6 +87,7 @@ def test_rerun_redoes_nothing(local_release):
         }
 
 
+@pytest.mark.slow
 def test_one_failing_model_does_not_stop_the_others(tiny_llama, tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -109,6 +113,7 @@ def test_malformed_release_file_names_file_line_and_key(tmp_path):
     assert f"{path}:4: unknown key 'models[0].formatz'" in result.stderr
 
 
+@pytest.mark.slow
 def test_ray_release_survives_a_killed_worker_and_equals_the_local_one(models, local_release, tmp_path):
     pytest.importorskip("ray")
     path = write_release(tmp_path / "release.yaml", tmp_path / "out", models)

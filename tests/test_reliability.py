@@ -44,6 +44,7 @@ def _wait_for(predicate, process, timeout=300.0) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_sigint_during_quantization_stops_cleanly_and_resumes(tiny_llama, tmp_path):
     run = tmp_path / "run"
     args = ["--formats", "gptq-int4", *FAST_EVAL, "--calib-samples", "8", "--calib-seqlen", "128"]
@@ -89,6 +90,7 @@ def test_layer_resume_mode_quantizes_and_leaves_no_local_path(tiny_llama, tmp_pa
     assert not any((run / "work" / "checkpoints").iterdir())  # layer checkpoints go once the artifact is done
 
 
+@pytest.mark.slow
 def test_evaluation_killed_half_way_resumes_at_the_window_where_it_stopped(tiny_llama, tiny_run, tmp_path):
     run = tmp_path / "run"
     args = [
@@ -223,6 +225,7 @@ def test_a_dropped_connection_resumes_the_download_with_a_range_request(tiny_lla
     assert weights == file_records(tiny_llama / "model.safetensors")["model.safetensors"]
 
 
+@pytest.mark.slow
 def test_download_killed_half_way_completes_on_restart(tiny_llama, tiny_run, tmp_path):
     from hub_server import FakeHub
 

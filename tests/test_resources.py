@@ -16,7 +16,7 @@ QWEN_7B = ModelSize(7_615_616_512, 3584, 18944, 28, 152064)
 HOST = HostSpeed(gemm_gflops=50.0, memory_available=int(24 * GB), threads=2)
 
 
-def _inputs(formats=(("gguf-q4km", "llamacpp", 4.89),), device="cpu", calibration=0) -> PlanInputs:
+def _inputs(formats=(("gguf-q4km", "gguf", 4.89),), device="cpu", calibration=0) -> PlanInputs:
     return PlanInputs(list(formats), 2048, 40, calibration, 0, [], device)
 
 
@@ -33,7 +33,7 @@ def test_a_7b_reference_is_planned_at_the_stored_weights_not_float32():
 
 def test_plan_grows_with_formats_windows_and_model():
     one = make_resource_plan(QWEN_7B, _inputs(), HOST)
-    two = make_resource_plan(QWEN_7B, _inputs((("gguf-q4km", "llamacpp", 4.89), ("gguf-q8_0", "llamacpp", 8.5))), HOST)
+    two = make_resource_plan(QWEN_7B, _inputs((("gguf-q4km", "gguf", 4.89), ("gguf-q8_0", "gguf", 8.5))), HOST)
     assert two["total"]["disk_bytes"] > one["total"]["disk_bytes"]
     assert two["total"]["seconds"] > one["total"]["seconds"]
     small = ModelSize(494_032_768, 896, 4864, 24, 151936, True)
@@ -46,7 +46,7 @@ def test_plan_grows_with_formats_windows_and_model():
 
 
 def test_on_cuda_the_model_is_planned_in_gpu_memory():
-    gptq = (("gptq-int4", "gptqmodel", 4.0),)
+    gptq = (("gptq-int4", "hf", 4.0),)
     cpu = make_resource_plan(QWEN_7B, _inputs(gptq, "cpu", 128 * 512), HOST)
     cuda = make_resource_plan(QWEN_7B, _inputs(gptq, "cuda:0", 128 * 512), HOST)
     for key in ("reference", "quantize/gptq-int4", "evaluate/gptq-int4"):
@@ -150,9 +150,9 @@ def test_a_gpu_too_small_is_refused_with_the_numbers(tmp_path):
     from quantforge.resources import check_plan
 
     gpu = HostSpeed(gemm_gflops=50.0, memory_available=int(64 * GB), threads=2, gpu_memory_free=int(8 * GB))
-    plan = make_resource_plan(QWEN_7B, _inputs((("gptq-int4", "gptqmodel", 4.0),), "cuda:0", 128 * 512), gpu)
+    plan = make_resource_plan(QWEN_7B, _inputs((("gptq-int4", "hf", 4.0),), "cuda:0", 128 * 512), gpu)
     with pytest.raises(QuantforgeError, match=r"not enough GPU memory on cuda:0: stage .* needs about [0-9.]+ GB"):
         check_plan(plan, tmp_path)
     roomy = HostSpeed(gemm_gflops=50.0, memory_available=int(64 * GB), threads=2, gpu_memory_free=int(141 * GB))
-    check_plan(make_resource_plan(QWEN_7B, _inputs((("gptq-int4", "gptqmodel", 4.0),), "cuda:0", 128 * 512), roomy),
+    check_plan(make_resource_plan(QWEN_7B, _inputs((("gptq-int4", "hf", 4.0),), "cuda:0", 128 * 512), roomy),
                tmp_path)  # fmt: skip

@@ -39,6 +39,7 @@ def _kill_when(command: list[str], run: Path, ready, timeout: float = 300) -> bo
     return False
 
 
+@pytest.mark.slow
 def test_sigkill_at_several_points_then_resume(tiny_llama, tiny_run, tmp_path):
     run = tmp_path / "killed"
     command = [sys.executable, "-m", "quantforge.cli", "build", str(tiny_llama), "--out", str(run), *TINY_RUN_ARGS]

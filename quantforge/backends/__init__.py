@@ -5,6 +5,9 @@ module level: ``quantforge formats`` loads every backend to list what it offers,
 
 Third parties add a backend by declaring an entry point in the ``quantforge.backends`` group that names a
 ``Backend`` subclass; adding a format means one new module that subclasses ``Backend`` and lists its ``Format``s.
+A backend owns everything about its artifacts: how they are made (``quantize``), loaded for evaluation
+(``open_runner``), timed in their runtime (``probe_target``, ``probe``) and served (``deployment``, the commands
+on their model card); runtimes are known from the loaded backends' formats.
 """
 
 from __future__ import annotations
@@ -85,6 +88,16 @@ class Intermediate:
     uses_calibration: bool = False
 
 
+@dataclass
+class Deployment:
+    """What an artifact's model card says about running it (written by ``Backend.deployment``)."""
+
+    library: str  # the Hub's library_name: "gguf", "transformers", ...
+    tags: list[str]  # Hub tags beyond quantforge's own, e.g. the quantization method
+    quant_config: dict  # the quantization_config the card's Quantization table shows ({} when none)
+    usage: list[str]  # Markdown lines under "Usage": commands that serve and load the artifact
+
+
 class Backend(abc.ABC):
     """Base class for backends. Subclasses set ``name``, ``formats`` and ``requires`` and implement the hooks."""
 
@@ -147,6 +160,33 @@ class Backend(abc.ABC):
         """(runtime, path) for the decode-speed probe in the format's own runtime, or why this host has none."""
         return f"no runtime for {self.name} artifacts on this host"
 
+    def probe(self, runtime: str, path: Path, prompt: list[int], gen_tokens: int, threads: int, runs: int) -> dict:
+        """Time ``runs`` greedy generations of ``gen_tokens`` after ``prompt`` in ``runtime`` (the speed probe's own
+        process calls this): prompt_tps, decode_tps, ttft_s, tpot_s and such. quantforge's probes know llama.cpp,
+        transformers and vLLM; a backend with a runtime of its own overrides this."""
+        from ..probe import PROBES
+
+        if runtime not in PROBES:
+            raise QuantforgeError(f"backend {self.name} names runtime '{runtime}' for its speed probe but has no probe")
+        return PROBES[runtime](path, prompt, gen_tokens, threads, runs)
+
+    def deployment(self, folder: Path, card: dict, entry: dict, chat: tuple[str | None, dict]) -> Deployment:
+        """How to run the artifact in ``folder``, for its model card; may write side files there (an Ollama
+        Modelfile). ``entry`` is its card entry; ``chat`` the source's chat template and special tokens."""
+        return plain_deployment(folder, entry)
+
+
+def has_own_probe(backend: Backend) -> bool:
+    """Whether the backend overrides ``probe``; the probe process of one that does not loads no backend at all, so
+    its peak memory is the runtime's and the model's alone."""
+    return type(backend).probe is not Backend.probe
+
+
+def plain_deployment(folder: Path, entry: dict) -> Deployment:
+    """A model card's usage for a backend that says nothing of serving: the runtimes its format runs in."""
+    runtimes = ", ".join(f"`{runtime}`" for runtime in entry["runtimes"])
+    return Deployment(entry["family"], [], {}, [f"Runs in {runtimes}: load the files of `{folder.name}`."])
+
 
 def library_version(module: str) -> str:
     """``gptqmodel 7.6.0`` for an importable module name, from the installed distribution's metadata."""
@@ -164,6 +204,14 @@ def load_backends() -> dict[str, Backend]:
         backend = cls()
         backends[backend.name or entry.name] = backend
     return backends
+
+
+def load_backend(name: str) -> Backend:
+    """One backend by name (the speed probe's process, which times that backend's artifact)."""
+    backends = load_backends()
+    if name not in backends:
+        raise QuantforgeError(f"unknown backend '{name}'; known backends: {', '.join(sorted(backends))}")
+    return backends[name]
 
 
 def known_runtimes(backends: dict[str, Backend] | None = None) -> tuple[str, ...]:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Callable, ClassVar
 
 import numpy as np
 
 from ..errors import QuantforgeError
-from . import Backend, LogitsRunner
+from . import Backend, Deployment, LogitsRunner
 
 VLLM_RUNTIMES = ("vllm", "transformers")
 GROUP_CANDIDATES = (128, 64, 32, 16)
@@ -113,6 +114,9 @@ class HFFolderBackend(Backend):
     """A backend whose artifacts are HF folders with a quantization_config, evaluated dequantized."""
 
     needs_calibration = True
+    # quant_method -> (the tensor suffix that marks a quantized Linear, function(tensors, prefix, quantization_config)
+    # -> its float weight): how evaluation dequantizes a method quantforge.dequant does not know (a plugin's own)
+    dequantizers: ClassVar[dict[str, tuple[str, Callable]]] = {}
 
     def check(self, source, fmt, settings: dict) -> list[str]:
         try:
@@ -128,9 +132,32 @@ class HFFolderBackend(Backend):
         from ..dequant import float_model_from_artifact
         from ..runners import TorchRunner
 
-        model = float_model_from_artifact(artifact_dir, device=device)
+        model = float_model_from_artifact(artifact_dir, device=device, dequantizers=self.dequantizers)
         runner = TorchRunner(model, threads)
         runner.runtime = "transformers (dequantized in torch)"
         if model.quantforge_unsimulated:
             runner.runtime += f"; activation int8 not simulated in {model.quantforge_unsimulated} expert projections"
         return runner
+
+    def deployment(self, folder: Path, card: dict, entry: dict, chat: tuple[str | None, dict]) -> Deployment:
+        """vLLM's serve command (its context fitted to the card's GPU, when one was named) and a transformers load."""
+        import json
+
+        from ..deploy import vllm_command, vllm_serving
+
+        quant_config = json.loads((folder / "config.json").read_text()).get("quantization_config", {})
+        context = card["targets"]["context"]
+        fit = next(iter(entry.get("memory_fit", {}).values()), None) if card["targets"].get("gpu") else None
+        max_len, fp8_kv = vllm_serving(fit, context)
+        usage = ["```bash", vllm_command(folder.name, max_len, fp8_kv), "```"]
+        if fp8_kv:
+            usage += ["", f"An fp16 KV cache of {context} tokens does not fit on {fit['gpu']}; an fp8 one does."]
+        usage += [
+            "",
+            "```python",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            f'model = AutoModelForCausalLM.from_pretrained("./{folder.name}", device_map="auto")',
+            f'tokenizer = AutoTokenizer.from_pretrained("./{folder.name}")',
+            "```",
+        ]
+        return Deployment("transformers", [str(quant_config.get("quant_method"))], quant_config, usage)

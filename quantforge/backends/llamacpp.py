@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import QuantforgeError
 from ..logs import capture_output
-from . import Backend, Format, Intermediate, LogitsRunner, QuantizeJob
+from . import Backend, Deployment, Format, Intermediate, LogitsRunner, QuantizeJob
 
 GGUF_RUNTIMES = ("llama.cpp", "ollama")
 
@@ -200,3 +200,39 @@ class LlamaCppBackend(Backend):
 
     def probe_target(self, artifact_dir: Path) -> tuple[str, Path]:
         return "llama.cpp", self.artifact_file(artifact_dir)
+
+    def deployment(self, folder: Path, card: dict, entry: dict, chat: tuple[str | None, dict]) -> Deployment:
+        """The llama.cpp commands and an Ollama Modelfile (with a TEMPLATE when the chat template converts)."""
+        from ..deploy import chat_template_to_ollama, llama_cli_command, llama_server_command, modelfile, ollama_command
+        from ..fsutil import atomic_write_text
+
+        template, special = chat
+        context = card["targets"]["context"]
+        gguf = sorted(folder.glob("*.gguf"))[0]
+        go_template, stops, note = None, [special["eos_token"]] if special.get("eos_token") else [], None
+        if template:
+            try:
+                go_template, stops = chat_template_to_ollama(
+                    template, {**special, "runtime_adds_bos": gguf_adds_bos(gguf)}
+                )
+            except QuantforgeError as exc:
+                note = f"The Modelfile has no TEMPLATE ({exc}); Ollama then uses the chat template stored in the GGUF."
+        else:
+            note = "The source has no chat template: the Modelfile has no TEMPLATE."
+        atomic_write_text(folder / "Modelfile", modelfile(gguf.name, go_template, stops, context))
+        usage = [
+            "```bash",
+            llama_server_command(gguf.name, context),
+            llama_cli_command(gguf.name, context),
+            ollama_command(f"{card['model']['name']}-{entry['format']}"),
+            "```",
+        ]
+        return Deployment("gguf", ["gguf"], {}, usage + (["", note] if note else []))
+
+
+def gguf_adds_bos(path: Path) -> bool:
+    """Whether llama.cpp adds BOS itself when it tokenizes a prompt for this GGUF."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(path).get_field("tokenizer.ggml.add_bos_token")
+    return bool(field.contents()) if field is not None else False
