@@ -119,6 +119,7 @@ def test_compressed_tensors_artifact_loads_in_transformers(kind, arch_run):
     assert generated.shape == (1, 8)
 
 
+@pytest.mark.slow
 def test_a_library_failure_fails_its_format_alone_and_a_rerun_retries_only_it(tiny_model, tmp_path):
     """An OLMo 2 with tied embeddings converts and quantizes, but llama.cpp 0.3.36 cannot load it (its olmo2 loader
     wants an output tensor): the GGUF format fails in evaluation, int8 is finished, the card lists the failure."""
