@@ -283,7 +283,17 @@ def _deployment(folder: Path, card: dict, entry: dict, chat: tuple, backends: di
     """What the backend that made ``entry`` says; when it is no longer installed (a card re-written elsewhere), what
     the first backend writing the same family says, else only the runtimes."""
     from .backends import plain_deployment
+    from .errors import QuantforgeError, one_line
 
     same_family = [b for b in backends.values() if any(f.family == entry["family"] for f in b.formats.values())]
     backend = backends.get(entry["backend"]) or next(iter(same_family), None)
-    return backend.deployment(folder, card, entry, chat) if backend else plain_deployment(folder, entry)
+    if backend is None:
+        return plain_deployment(folder, entry)
+    try:
+        return backend.deployment(folder, card, entry, chat)
+    except QuantforgeError:
+        raise
+    except Exception as exc:  # a plugin's hook: one line naming the format and backend, not a traceback
+        raise QuantforgeError(
+            f"{entry['key']}: backend {backend.name} failed to write its model card's usage ({one_line(exc)})"
+        ) from exc

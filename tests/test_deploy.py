@@ -220,3 +220,23 @@ def test_model_card_takes_licence_and_base_model_from_the_source_card(run_copy):
     write_deployment_files(run, card)
     front = yaml.safe_load((folder / "README.md").read_text().split("---")[1])
     assert front["base_model"] == "acme/published"
+
+
+def test_a_backend_whose_deployment_hook_raises_is_one_line_naming_format_and_backend(tmp_path):
+    from quantforge.backends.llamacpp import LlamaCppBackend
+    from quantforge.errors import QuantforgeError
+    from quantforge.modelcard import _deployment
+
+    class Broken(LlamaCppBackend):
+        name = "broken-demo"
+
+        def deployment(self, folder, card, entry, chat):
+            raise RuntimeError("template engine exploded\nsecond line")
+
+    entry = {"key": "gguf-q4km@broken-demo", "backend": "broken-demo", "family": "gguf", "runtimes": ["llama.cpp"]}
+    with pytest.raises(QuantforgeError) as caught:
+        _deployment(tmp_path, {}, entry, (None, {}), {"broken-demo": Broken()})
+    assert str(caught.value) == (
+        "gguf-q4km@broken-demo: backend broken-demo failed to write its model card's usage "
+        "(RuntimeError: template engine exploded)"
+    )
