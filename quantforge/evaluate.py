@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable, Union
 
 import numpy as np
 
@@ -131,15 +131,59 @@ class ReferenceWindow:
     tail_mass: np.ndarray  # [n] float64, probability outside the top tokens
 
 
-ROW_CHUNK = 32  # positions per log-softmax: bounds float64 scratch memory (150k vocabulary: 40 MB a copy)
+# Positions per log-softmax: bounds the float64 scratch (a 150k vocabulary: 40 MB a copy). Every step is row by row
+# and the tail draws come from one stream in row order, so the size never changes a figure. Smaller chunks were
+# worse: 8 rows put many 5-10 MB blocks on glibc's heap, which fragmented (the 0.5B reference peaked 1 GB higher).
+ROW_CHUNK = 32
+
+LogitRows = Union[np.ndarray, Iterable[np.ndarray]]
 
 
-def _row_chunks(logits: np.ndarray, tokens: np.ndarray):
+def scored_logit_blocks(runner, tokens: np.ndarray) -> LogitRows:
+    """The logits of a window's scored positions (all but the last) from ``runner``: in blocks when it offers
+    ``scored_logits`` (each block valid until the next is asked for, so a window's logits need not be held whole),
+    else its whole ``logits`` array."""
+    if hasattr(runner, "scored_logits"):
+        return runner.scored_logits(tokens)
+    return runner.logits(tokens)
+
+
+def _row_blocks(logits: LogitRows, scored: int):
+    """(first position, rows) of ``ROW_CHUNK`` rows (fewer only at the end) for the ``scored`` positions, in order,
+    from an array of every position's logits or from consecutive blocks of rows of any size.
+
+    The rows are grouped alike however the runner cut them (a chunk straddling two blocks is copied together), so
+    the figures do not depend on the cut: torch reduces a single row differently from several.
+    """
+    blocks = [logits] if isinstance(logits, np.ndarray) else logits
+    start, carried = 0, None  # carried: a copy of the rows left at the end of the previous block
+    for block in blocks:
+        block = block[: scored - start - (0 if carried is None else len(carried))]
+        if carried is not None:
+            take = ROW_CHUNK - len(carried)
+            carried = np.concatenate([carried, block[:take]])
+            block = block[take:]
+            if len(carried) < ROW_CHUNK and start + len(carried) < scored:
+                continue
+            yield start, carried
+            start, carried = start + len(carried), None
+        whole = len(block) - len(block) % ROW_CHUNK
+        for offset in range(0, whole, ROW_CHUNK):
+            yield start, block[offset : offset + ROW_CHUNK]
+            start += ROW_CHUNK
+        if whole < len(block):
+            carried = np.array(block[whole:])  # the block's buffer may be overwritten by the next decode
+    if carried is not None:
+        yield start, carried
+        start += len(carried)
+    if start != scored:
+        raise ValueError(f"the runner gave logits for {start} positions, not the {scored} scored")
+
+
+def _row_chunks(logits: LogitRows, tokens: np.ndarray):
     """(log-probs, targets) for the scored positions of a window, a few rows at a time."""
-    scored = len(tokens) - 1
-    for start in range(0, scored, ROW_CHUNK):
-        stop = min(start + ROW_CHUNK, scored)
-        yield log_softmax(logits[start:stop]), tokens[start + 1 : stop + 1]
+    for start, rows in _row_blocks(logits, len(tokens) - 1):
+        yield log_softmax(rows), tokens[start + 1 : start + 1 + len(rows)]
 
 
 def _sample_tail(probs: np.ndarray, rng: np.random.Generator, samples: int) -> np.ndarray:
@@ -156,7 +200,7 @@ def _sample_tail(probs: np.ndarray, rng: np.random.Generator, samples: int) -> n
 
 
 def reference_window(
-    logits: np.ndarray, tokens: np.ndarray, seed: int = 0, top_k: int = TOP_K, tail_samples: int = TAIL_SAMPLES
+    logits: LogitRows, tokens: np.ndarray, seed: int = 0, top_k: int = TOP_K, tail_samples: int = TAIL_SAMPLES
 ) -> ReferenceWindow:
     rng = np.random.default_rng(seed)
     parts: dict[str, list] = {k: [] for k in ("nll", "top_ids", "top_logp", "tail_ids", "tail_logp", "tail_mass")}
@@ -199,14 +243,14 @@ def _artifact_logprobs(logits: np.ndarray, targets: np.ndarray, top_ids: np.ndar
     return gather(targets[:, None])[:, 0], gather(top_ids), gather(tail_ids), argmax[:, 0].numpy()
 
 
-def compare_window(logits: np.ndarray, tokens: np.ndarray, ref: ReferenceWindow) -> dict[str, np.ndarray]:
+def compare_window(logits: LogitRows, tokens: np.ndarray, ref: ReferenceWindow) -> dict[str, np.ndarray]:
     """Per-position NLL, KL(reference || artifact) and whether the top token agrees."""
     targets = tokens[1:]
     parts: dict[str, list] = {"nll": [], "kld": [], "agree": []}
-    for start in range(0, len(targets), ROW_CHUNK):  # chunks bound the scratch memory for large vocabularies
-        rows = slice(start, min(start + ROW_CHUNK, len(targets)))
+    for start, block in _row_blocks(logits, len(targets)):  # a few rows at a time: bounded scratch memory
+        rows = slice(start, start + len(block))
         picked, top_logq, tail_logq, argmax = _artifact_logprobs(
-            logits[rows], targets[rows], ref.top_ids[rows], ref.tail_ids[rows]
+            block, targets[rows], ref.top_ids[rows], ref.tail_ids[rows]
         )
         top_logp, tail_logp = ref.top_logp[rows].astype(np.float64), ref.tail_logp[rows].astype(np.float64)
         top_term = (np.exp(top_logp) * (top_logp - top_logq)).sum(axis=-1)
@@ -295,7 +339,7 @@ def _timing(seconds: float, windows: np.ndarray, resumed: int) -> dict:
 
 
 def score_reference(
-    logits_fn: Callable[[np.ndarray], np.ndarray],
+    logits_fn: Callable[[np.ndarray], LogitRows],
     windows: np.ndarray,
     on_window: Callable[[int], None] | None = None,
     progress_path: Path | None = None,
@@ -318,7 +362,7 @@ def score_reference(
 
 
 def score_artifact(
-    logits_fn: Callable[[np.ndarray], np.ndarray],
+    logits_fn: Callable[[np.ndarray], LogitRows],
     windows: np.ndarray,
     refs: list[ReferenceWindow],
     on_window: Callable[[int], None] | None = None,

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,15 @@ from .calibration import CalibrationSettings
 from .card import write_card
 from .decide import Targets
 from .errors import QuantforgeError, StageFailed, interrupts_kept
-from .evaluate import EvalSettings, load_reference, make_windows, save_reference, score_artifact, score_reference
+from .evaluate import (
+    EvalSettings,
+    load_reference,
+    make_windows,
+    save_reference,
+    score_artifact,
+    score_reference,
+    scored_logit_blocks,
+)
 from .fsutil import atomic_output, atomic_write_json, remove_path
 from .logs import capture_output, follow_progress
 from .manifest import Manifest, RunLock, clean_partials, run_stage
@@ -587,7 +596,10 @@ class Build:
         def produce():
             with self.ui.task("evaluate reference (transformers, float32)", total=len(windows)) as advance:
                 refs, summary = score_reference(
-                    runner.get().logits, windows, advance, progress_path=self.progress_path(REFERENCE, inputs)
+                    partial(scored_logit_blocks, runner.get()),
+                    windows,
+                    advance,
+                    progress_path=self.progress_path(REFERENCE, inputs),
                 )
             save_reference(path, refs)
             return {**summary, "runtime": "transformers", "dtype": "float32", "threads": self.plan.threads}
@@ -884,7 +896,7 @@ class Build:
                 with self.ui.task(f"evaluate {choice.key} ({runner.get().runtime})", total=len(windows)) as advance:
                     loaded = runner.get()
                     summary = score_artifact(
-                        getattr(loaded, "logits_view", loaded.logits),  # each window is scored before the next
+                        partial(scored_logit_blocks, loaded),  # each window is scored before the next
                         windows,
                         refs,
                         advance,

@@ -65,7 +65,6 @@ FIXED_SECONDS = {  # start-up work that does not grow with the model: imports, c
 CONVERT_SECONDS_PER_GB = 10.8  # llama.cpp's converter: reads the checkpoint, writes F16 (fitted, as above)
 GGUF_QUANTIZE_PARAMETERS_PER_SECOND = 43e6  # llama_model_quantize from F16, per thread (fitted, as above)
 NARROW_WIDTH = 1024  # hidden size below which llama.cpp's evaluation slows in proportion (fitted, as above)
-LLAMA_UBATCH = 512  # llama.cpp's compute buffer holds this many positions' logits besides its output buffer
 
 
 @dataclass(frozen=True)
@@ -195,12 +194,18 @@ def _logits_bytes(size: ModelSize, positions: int) -> int:
 
 def _torch_window_bytes(size: ModelSize, context: int) -> int:
     """Scratch for one window in torch: its logits, the float64 rows compared at a time, the widest activations."""
-    return _logits_bytes(size, context) + 32 * size.vocab_size * 8 * 3 + context * size.intermediate_size * 4 * 2
+    from .evaluate import ROW_CHUNK
+
+    rows = ROW_CHUNK * size.vocab_size * 8 * 3
+    return _logits_bytes(size, context) + rows + context * size.intermediate_size * 4 * 2
 
 
 def _llama_window_bytes(size: ModelSize, context: int) -> int:
-    """llama.cpp keeps every position's logits in its output buffer and a micro-batch's in its compute buffer."""
-    return _logits_bytes(size, context) + _logits_bytes(size, min(context, LLAMA_UBATCH))
+    """llama.cpp decodes a window a block of positions at a time: that block's logits are in its output buffer and
+    again in its compute buffer."""
+    from .backends.llamacpp import LOGIT_ROWS
+
+    return 2 * _logits_bytes(size, min(context, LOGIT_ROWS))
 
 
 def _resident_weights(size: ModelSize) -> int:

@@ -5,7 +5,8 @@ memory (from the run's manifest), then the ratio of quantforge's GGUF path (conv
 llama.cpp's own tools on the same files and threads (``convert_hf_to_gguf.py``, ``llama-quantize``,
 ``llama-perplexity`` over the same number of windows of the same length, flash attention off as quantforge
 evaluates). llama-perplexity scores the second half of each window only, where quantforge scores every position and
-also compares each with the reference (KL divergence, top-1), so the ratio per scored token is printed too.
+also compares each with the reference (KL divergence, top-1), so the ratio per scored token is printed too, and the
+ratio against llama-perplexity's strided mode scoring every position as quantforge does (``--ppl-stride``).
 Goals (issue 12): GGUF path <= 1.1x llama.cpp's tools; peak RSS <= 1.5x the bf16 weights (also printed beyond the
 build process's footprint before any model, its `tokens` stage); time growing no faster than the parameter count.
 
@@ -79,6 +80,13 @@ def their_run(source: Path, text: Path, out: Path, context: int, windows: int, t
         results[f"evaluate/{key}"] = timed([str(tool("llama-perplexity")), "-m", str(quantized), "-f", str(text),
                                             "-c", str(context), "-b", str(context), "--chunks", str(windows),
                                             "-t", str(threads), "-fa", "off"])  # fmt: skip
+        # The same scoring as quantforge's: its strided mode with a stride of context - 1 scores every position of
+        # each window but the first (and computes every position's logits), windows overlapping by one token.
+        results[f"evaluate-every-position/{key}"] = timed(
+            [str(tool("llama-perplexity")), "-m", str(quantized), "-f", str(text), "-c", str(context),
+             "-b", str(context), "--chunks", str(windows), "-t", str(threads), "-fa", "off",
+             "--ppl-stride", str(context - 1)]
+        )  # fmt: skip
     return {key: {"seconds": s, "peak_rss_bytes": m} for key, (s, m) in results.items()}
 
 
@@ -87,14 +95,20 @@ def gguf_path_ratio(ours: dict, theirs: dict, context: int) -> dict:
     ours_seconds = stages["intermediate/gguf-f16"]["seconds"] + sum(
         stages[f"{stage}/{key}"]["seconds"] for key in FORMATS for stage in ("quantize", "evaluate")
     )
-    theirs_seconds = sum(v["seconds"] for v in theirs.values())
+    theirs_seconds = sum(v["seconds"] for k, v in theirs.items() if not k.startswith("evaluate-every-position/"))
     ours_eval = sum(stages[f"evaluate/{key}"]["seconds"] for key in FORMATS)
     theirs_eval = sum(theirs[f"evaluate/{key}"]["seconds"] for key in FORMATS)
+    theirs_every = sum(theirs[f"evaluate-every-position/{key}"]["seconds"] for key in FORMATS)
+    theirs_same = theirs_seconds - theirs_eval + theirs_every  # the path with llama.cpp scoring as quantforge does
     scored_ratio = (context - 1) / (context // 2)  # positions scored per window: quantforge / llama-perplexity
     return {"ours_seconds": round(ours_seconds, 1), "llamacpp_seconds": round(theirs_seconds, 1),
             "ratio": round(ours_seconds / theirs_seconds, 3),
             "evaluate_ratio": round(ours_eval / theirs_eval, 3),
-            "evaluate_ratio_per_scored_token": round(ours_eval / theirs_eval / scored_ratio, 3)}  # fmt: skip
+            "evaluate_ratio_per_scored_token": round(ours_eval / theirs_eval / scored_ratio, 3),
+            "same_scoring_stride": context - 1,
+            "llamacpp_same_scoring_seconds": round(theirs_same, 1),
+            "ratio_same_scoring": round(ours_seconds / theirs_same, 3),
+            "evaluate_ratio_same_scoring": round(ours_eval / theirs_every, 3)}  # fmt: skip
 
 
 def evaluation_text(run: dict, out: Path) -> Path:
@@ -121,6 +135,9 @@ def print_model(name: str, model: dict) -> None:
     print(f"  GGUF path: quantforge {gguf['ours_seconds']} s, llama.cpp tools {gguf['llamacpp_seconds']} s, "
           f"ratio {gguf['ratio']} (goal <= 1.1); evaluation alone {gguf['evaluate_ratio']}, per scored token "
           f"{gguf['evaluate_ratio_per_scored_token']}", flush=True)  # fmt: skip
+    print(f"  scoring every position in both (llama-perplexity --ppl-stride {gguf['same_scoring_stride']}): "
+          f"llama.cpp tools {gguf['llamacpp_same_scoring_seconds']} s, ratio {gguf['ratio_same_scoring']}; "
+          f"evaluation alone {gguf['evaluate_ratio_same_scoring']}", flush=True)  # fmt: skip
 
 
 def main() -> int:

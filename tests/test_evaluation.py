@@ -27,6 +27,26 @@ def test_kl_of_the_reference_against_itself_is_zero(tiny_llama):
     assert shifted["kld"].mean() > 1e-3 and not shifted["agree"].all()
 
 
+def test_scored_rows_are_grouped_alike_however_a_runner_cuts_them(monkeypatch):
+    """Row chunks are the same rows whether the logits come whole or in blocks of any size (a chunk straddling two
+    blocks is copied before the next block may overwrite the buffer); the unscored last position is dropped."""
+    import quantforge.evaluate as evaluate
+
+    monkeypatch.setattr(evaluate, "ROW_CHUNK", 4)
+    logits = np.arange(23 * 3, dtype=np.float32).reshape(23, 3)  # 23 positions, 22 scored
+
+    def grouped(source):
+        return [(start, rows.copy()) for start, rows in evaluate._row_blocks(source, 22)]
+
+    whole = grouped(logits)
+    assert [len(rows) for _, rows in whole] == [4, 4, 4, 4, 4, 2]
+    for cuts in ([1, 5, 6], [3], [4, 8, 12, 16, 20], [2, 3, 4, 21, 22], list(range(1, 23))):
+        blocks = (block.copy() for block in np.split(logits, cuts))
+        assert all(a == b and np.array_equal(x, y) for (a, x), (b, y) in zip(whole, grouped(blocks), strict=True))
+    with pytest.raises(ValueError, match="20 positions, not the 22"):
+        grouped(iter([logits[:20]]))
+
+
 def test_tokenizing_a_prefix_gives_the_whole_texts_first_tokens(smollm2_dir):
     text = WIKITEXT.read_text()
     whole = tokenize_text(smollm2_dir, text)

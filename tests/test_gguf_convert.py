@@ -100,3 +100,43 @@ def test_unsupported_architecture_is_a_clear_error(tiny_llama, tmp_path):
     ):
         convert_hf_to_gguf(folder, tmp_path / "x.gguf", log_path=tmp_path / "convert.log")
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_the_evaluation_decodes_a_window_in_blocks_with_the_same_figures(tiny_run, monkeypatch):
+    """llama.cpp decodes an evaluation window a block of positions at a time (its buffers then hold a block's logits,
+    not the window's): the logits equal one whole-window decode's bit for bit, and every figure computed from the
+    blocks equals the figure computed from the whole array, row chunks straddling the blocks' edges included."""
+    import quantforge.backends.llamacpp as llamacpp
+    import quantforge.evaluate as evaluate
+
+    f16, q4 = (next((tiny_run / "artifacts" / key).glob("*.gguf")) for key in ("gguf-f16", "gguf-q4km"))
+    window = np.random.default_rng(0).integers(0, 4000, 128).astype(np.int32)
+
+    def decoded(path, rows):
+        monkeypatch.setattr(llamacpp, "LOGIT_ROWS", rows)
+        runner = LlamaCppRunner(path, context=128, threads=2)
+        try:
+            whole = runner.logits(window)
+            blocks = [block.copy() for block in runner.scored_logits(window)]
+        finally:
+            runner.close()
+        return whole, blocks
+
+    reference, _ = decoded(f16, 128)
+    whole, _ = decoded(q4, 128)
+    blocked, blocks = decoded(q4, 48)
+    assert [len(b) for b in blocks] == [48, 48, 31]  # the last position is not scored
+    assert np.array_equal(whole, blocked) and np.array_equal(whole[:-1], np.concatenate(blocks))
+
+    monkeypatch.setattr(evaluate, "ROW_CHUNK", 5)
+    ref_whole = evaluate.reference_window(reference, window)
+    ref_blocks = evaluate.reference_window(iter(np.array_split(reference[:-1], 3)), window)
+    for name in evaluate.REFERENCE_FIELDS:
+        assert np.array_equal(getattr(ref_whole, name), getattr(ref_blocks, name)), name
+    from_whole = evaluate.compare_window(whole, window, ref_whole)
+    from_blocks = evaluate.compare_window(iter(blocks), window, ref_whole)
+    assert from_whole["kld"].mean() > 0
+    for name, values in from_whole.items():
+        assert np.array_equal(values, from_blocks[name]), name
+    with pytest.raises(ValueError, match="96 positions, not the 127 scored"):
+        evaluate.compare_window(iter(blocks[:2]), window, ref_whole)

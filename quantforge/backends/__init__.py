@@ -49,8 +49,10 @@ class LogitsRunner(Protocol):
     runtime: str
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
-        """[n, vocab] float32 logits of every position of the window. A runner may also offer ``logits_view``: the
-        same without a copy, valid only until its next call (the evaluation uses it when present)."""
+        """[n, vocab] float32 logits of every position of the window. A runner may also offer
+        ``scored_logits(tokens)``: the logits of every position but the last, as consecutive blocks of rows, each
+        valid only until the next is asked for; the evaluation uses it when present, so a window's logits need not
+        be held whole."""
         ...
 
     def close(self) -> None: ...

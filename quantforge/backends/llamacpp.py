@@ -79,6 +79,9 @@ def fallback_tensors(quantizer_output: str) -> int:
     return int(fallback[-1][0]) if fallback else 0
 
 
+LOGIT_ROWS = 128  # positions decoded at a time by the evaluation
+
+
 class LlamaCppRunner:
     runtime = "llama.cpp"
 
@@ -97,8 +100,11 @@ class LlamaCppRunner:
         self.llm = Llama(
             str(gguf_path),
             n_ctx=context,
-            n_batch=context,
-            n_ubatch=min(context, 512),
+            # A window is decoded LOGIT_ROWS positions at a time, through the KV cache: llama.cpp's output buffer
+            # and its compute buffer then hold that many positions' logits, not the window's (a 150k vocabulary at
+            # 2048 tokens: 1.2 GB each). On CPU the logits are bit for bit those of one whole-window decode.
+            n_batch=min(context, LOGIT_ROWS),
+            n_ubatch=min(context, LOGIT_ROWS),
             n_threads=threads,
             n_threads_batch=threads,
             logits_all=True,
@@ -109,21 +115,32 @@ class LlamaCppRunner:
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         """Every position's logits for the window, a copy the caller keeps."""
-        return self.logits_view(tokens).copy()
-
-    def logits_view(self, tokens: np.ndarray) -> np.ndarray:
-        """One decode of the whole window with every position's logits, read in place from llama.cpp's buffer:
-        valid until the next decode or ``close``. The evaluation uses it window by window, so a window's logits are
-        held once, not twice (1.2 GB each for a 150k vocabulary at 2048 tokens). (Llama.eval would copy them into
-        its own score matrix too.)
-        """
-        context, batch = self.llm._ctx, self.llm._batch
-        context.kv_cache_clear()
         ids = [int(t) for t in tokens]
-        batch.set_batch(batch=ids, n_past=0, logits_all=True)
-        context.decode(batch)
-        vocab = self.llm.n_vocab()
-        return np.ctypeslib.as_array(context.get_logits(), shape=(len(ids) * vocab,)).reshape(len(ids), vocab)
+        out = np.empty((len(ids), self.llm.n_vocab()), dtype=np.float32)
+        for start, rows in self._decode(ids, len(ids)):
+            out[start : start + len(rows)] = rows
+        return out
+
+    def scored_logits(self, tokens: np.ndarray):
+        """The logits of every position but the last (the scored ones), a block of positions at a time, read in
+        place from llama.cpp's buffer: each block is valid until the next is asked for. (Llama.eval would copy them
+        into its own score matrix too.)"""
+        ids = [int(t) for t in tokens]
+        return (rows for _, rows in self._decode(ids, len(ids) - 1))
+
+    def _decode(self, ids: list[int], wanted: int):
+        """(first position, logits rows) for positions [0, wanted), decoding ``ids`` from an empty cache."""
+        context, batch, vocab = self.llm._ctx, self.llm._batch, self.llm.n_vocab()
+        context.kv_cache_clear()
+        step = self.llm.n_batch
+        for start in range(0, len(ids), step):
+            if start >= wanted:
+                return  # the rest would only extend the cache
+            block = ids[start : start + step]
+            batch.set_batch(batch=block, n_past=start, logits_all=True)
+            context.decode(batch)
+            rows = np.ctypeslib.as_array(context.get_logits(), shape=(len(block) * vocab,)).reshape(len(block), vocab)
+            yield start, rows[: wanted - start]
 
     def close(self) -> None:
         from ..memory import release_freed_memory
