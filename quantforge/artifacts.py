@@ -88,6 +88,7 @@ def parameter_count(folder: Path) -> int:
 GGUF_MAGIC = b"GGUF"
 # GGUF metadata value types of a fixed size (type id -> bytes); 8 is a string, 9 an array.
 GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+GGUF_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 GGUF_STRING, GGUF_ARRAY = 8, 9
 
 
@@ -103,8 +104,9 @@ class GGUFTensor:
 class _GGUFHeader:
     """A cursor over a GGUF file's header (version 2 or 3, little-endian) that reads no tensor data.
 
-    gguf's own GGUFReader builds numpy views of every metadata value, about 1.7 s for a file with a 49k-token
-    vocabulary; walking past the values is a few milliseconds, and quantforge needs only the tensor table.
+    gguf's own GGUFReader builds numpy views of every metadata value, 1.7-4.9 s for a file with a 49k-token
+    vocabulary; walking past the values is a few milliseconds, and quantforge needs only the tensor table and a few
+    scalar values.
     """
 
     def __init__(self, view, size: int):
@@ -124,6 +126,15 @@ class _GGUFHeader:
         length = self.take("Q")
         self.skip(length)
         return bytes(self.view[self.at - length : self.at]).decode("utf-8")
+
+    def value(self, kind: int):
+        """A scalar or string value; arrays are skipped and read as None."""
+        if kind in GGUF_SCALAR_FORMATS:
+            return self.take(GGUF_SCALAR_FORMATS[kind])
+        if kind == GGUF_STRING:
+            return self.string()
+        self.skip_value(kind)
+        return None
 
     def skip_value(self, kind: int) -> None:
         if kind in GGUF_SCALAR_BYTES:
@@ -174,6 +185,22 @@ def _read_gguf_tensors(path: Path) -> list[GGUFTensor]:
             raise ValueError(f"tensor {name} does not fill whole blocks")
         tensors.append(GGUFTensor(name, kind, shape, elements // block * block_bytes, data_start + offset))
     return tensors
+
+
+def gguf_metadata_value(path: Path, key: str):
+    """The scalar or string value of one GGUF metadata key (None when the file lacks it), read from the header
+    alone. The file is assumed valid (``gguf_tensors`` checks that)."""
+    import mmap
+
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as view:
+        header = _GGUFHeader(view, path.stat().st_size)
+        _magic, _version, _tensor_count, kv_count = header.take("4sIQQ")
+        for _ in range(kv_count):
+            name, kind = header.string(), header.take("I")
+            if name == key:
+                return header.value(kind)
+            header.skip_value(kind)
+    return None
 
 
 def gguf_tensors(path: Path) -> list[GGUFTensor]:

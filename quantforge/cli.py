@@ -233,6 +233,7 @@ def _print_resource_plan(request, as_json: bool) -> None:
             f"({total['peak_stage']}; {total['peak_beyond_libraries_over_bf16']:.2f}x the bf16 weights beyond the "
             f"libraries), "
             f"{total['disk_bytes'] / 1e9:.2f} GB disk; host: {host['gemm_gflops']:.0f} GFLOP/s float32, "
+            + (f"{host['ggml_gflops']:.0f} GFLOP/s llama.cpp Q8_0, " if host.get("ggml_gflops") else "")
             + (f"{available / 1e9:.1f} GB available" if available else "memory unknown")
             + f", device {plan['device']}"
         )

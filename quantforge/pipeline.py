@@ -535,7 +535,7 @@ class Build:
         from .resources import measure_host
 
         if self._host_speed is None:
-            self._host_speed = measure_host(self.plan.threads, self.plan.device)
+            self._host_speed = measure_host(self.plan.threads, self.plan.device, runs_llamacpp(self.plan))
         return self._host_speed
 
     def record_fetch(self) -> None:
@@ -971,6 +971,10 @@ class Build:
         )
 
 
+def runs_llamacpp(plan: Plan) -> bool:
+    return any(c.format.family == "gguf" for c in plan.choices)
+
+
 def resource_plan(plan: Plan, facts: dict, host) -> dict:
     """The resource plan (see resources.py) of this build for a model of the given size facts on ``host``."""
     from .resources import ModelSize, PlanInputs, make_resource_plan
@@ -995,7 +999,7 @@ def resource_plan_only(request: BuildRequest) -> dict:
 
     plan = make_plan(request)
     facts = model_size_without_weights(plan.spec, plan.recipe)
-    planned = resource_plan(plan, facts, measure_host(plan.threads, plan.device))
+    planned = resource_plan(plan, facts, measure_host(plan.threads, plan.device, runs_llamacpp(plan)))
     planned["model"]["name"] = plan.spec.name
     try:
         check_plan(planned, plan.run_dir)

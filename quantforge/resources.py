@@ -3,9 +3,10 @@ formats asked for and this host's measured speed; and a refusal with the numbers
 
 Memory is predicted from what each stage holds (see ``lean``: a checkpoint in its stored dtype plus one module
 widened, the logits of one window, llama.cpp's mapped file), plus the libraries' own footprint. Time is predicted
-as work (multiply-adds, bytes) over this host's measured float32 matrix-multiply rate (or disk/memory rate), times a
-per-stage factor fitted on this project's test host by ``scripts/bench_scale.py`` (see docs/design.md), so a faster
-host gets shorter predictions. Every stage's actual peak and seconds go into the manifest beside the prediction.
+as work (multiply-adds, bytes) over this host's measured rate of the engine that does it (numpy's float32 GEMM for
+torch's stages, ggml's Q8_0 multiply for llama.cpp's evaluation; see ggml_rate.py), times a per-stage factor fitted
+on this project's test host by ``scripts/bench_scale.py`` (see docs/design.md), so a faster host gets shorter
+predictions. Every stage's actual peak and seconds go into the manifest beside the prediction.
 """
 
 from __future__ import annotations
@@ -38,12 +39,17 @@ TOKENIZER_BYTES_PER_TOKEN = 1000
 CONVERTER_RSS = 0.35 * GB  # llama.cpp's converter process before it maps the model (it imports torch)
 
 # Seconds per unit of work in units of this host's measured float32 GEMM time (2 x parameters x tokens
-# multiply-adds at that rate). Fitted by scripts/bench_scale.py on SmolLM2-135M and Qwen2.5-Coder-0.5B (2 cores):
-# "reference" and "evaluate/gguf"; the torch-quantizer and dequantized-evaluation factors are estimates, not fitted
-# (docs/design.md).
+# multiply-adds at that rate), or for "evaluate/gguf" of ggml's measured Q8_0 multiply time. Fitted by
+# scripts/bench_scale.py on SmolLM2-135M and Qwen2.5-Coder-0.5B (2 cores): "reference" and "evaluate/gguf"; the
+# torch-quantizer and dequantized-evaluation factors are estimates, not fitted (docs/design.md).
 TIME_FACTORS = {
     "reference": 1.8,  # transformers, float32 arithmetic over bf16 weights
-    "evaluate/gguf": 2.6,  # llama.cpp, every position's logits, then the comparison with the reference
+    # llama.cpp, every position's logits (the comparison with the reference is under a tenth of the stage); Q8_0
+    # and Q4_K_M files both (Q4_K_M 10-20% slower), over 3 builds on one host: 0.86-1.45 of this
+    "evaluate/gguf": 1.15,
+    # the same against numpy's rate, when ggml's cannot be measured: fitted on an earlier host whose numpy ran
+    # about 180 GFLOP/s a thread; on an AVX2-only host (88) it predicted 1.4-1.9x too long
+    "evaluate/gguf-by-gemm": 2.6,
     "evaluate/torch": 2.5,  # dequantized per module, every window (estimate)
     "quantize/gptq": 6.0,  # calibration forward passes plus per-layer solves (estimate)
     "quantize/int8": 3.0,  # (estimate)
@@ -109,6 +115,7 @@ class HostSpeed:
     memory_available: int | None
     threads: int
     gpu_memory_free: int | None = None  # of the chosen CUDA device, when one was chosen
+    ggml_gflops: float | None = None  # llama.cpp's Q8_0 multiply, all threads (measured when a GGUF is built)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -153,8 +160,18 @@ def gpu_memory_free(device: str) -> int | None:
     return int(free)
 
 
-def measure_host(threads: int, device: str = "cpu") -> HostSpeed:
-    return HostSpeed(round(measure_gemm_gflops(threads), 2), available_memory_bytes(), threads, gpu_memory_free(device))
+def measure_host(threads: int, device: str = "cpu", llamacpp: bool = False) -> HostSpeed:
+    """This host's rates and free memory; llama.cpp's own rate only when the build runs llama.cpp (0.5 s)."""
+    from .ggml_rate import measure_ggml_gflops
+
+    ggml = measure_ggml_gflops(threads) if llamacpp else None
+    return HostSpeed(
+        round(measure_gemm_gflops(threads), 2),
+        available_memory_bytes(),
+        threads,
+        gpu_memory_free(device),
+        round(ggml, 2) if ggml else None,
+    )
 
 
 @dataclass
@@ -221,6 +238,7 @@ PROBE_PROCESS_BYTES = 100 << 20  # python and numpy in the bandwidth probe's pro
 def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> list[StagePlan]:
     """Every stage of the build in run order, with its predicted seconds, peak resident memory and disk."""
     flop_seconds = 2 * size.parameters / (host.gemm_gflops * 1e9)  # one token through the model at GEMM speed
+    ggml_seconds = 2 * size.parameters / (host.ggml_gflops * 1e9) if host.ggml_gflops else None  # at ggml's
     eval_tokens = inputs.context * inputs.windows
     base = process_base_bytes(size)
     widened = min(size.hidden_size * size.intermediate_size * 4, 64 << 20)  # one module (or LM-head slice) widened
@@ -262,10 +280,13 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> list[St
             )
             # llama.cpp maps the F16 file and streams through it (measured: 0.75 of it resident at the peak).
             stages.append(StagePlan(quantize_stage(key), seconds, int(base + 0.75 * size.bf16_bytes), artifact))
-            # llama.cpp's quantized kernels run further below the GEMM rate on narrow layers (measured: SmolLM2's
-            # 576-wide ones at about half the rate of Qwen's 896-wide ones, relative to the FLOPs).
+            # llama.cpp's evaluation runs further below its kernel's rate on narrow layers (measured: SmolLM2's
+            # 576-wide ones at about 0.65 of the rate of Qwen's 896-wide ones, relative to the FLOPs), where the
+            # per-layer work besides the multiplies weighs more.
             narrow = max(1.0, NARROW_WIDTH / size.hidden_size)
-            seconds = FIXED_SECONDS["evaluate"] + TIME_FACTORS["evaluate/gguf"] * narrow * flop_seconds * eval_tokens
+            work = narrow * eval_tokens * (ggml_seconds or flop_seconds)
+            factor = TIME_FACTORS["evaluate/gguf" if ggml_seconds else "evaluate/gguf-by-gemm"]
+            seconds = FIXED_SECONDS["evaluate"] + factor * work
             stages.append(
                 StagePlan(evaluate_stage(key), seconds, base + artifact + _llama_window_bytes(size, inputs.context))
             )

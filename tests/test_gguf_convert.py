@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from quantforge.backends.llamacpp import LlamaCppRunner, quantize_gguf, tensor_types
+from quantforge.backends.llamacpp import LlamaCppRunner, gguf_adds_bos, quantize_gguf, tensor_types
 from quantforge.errors import QuantforgeError
 from quantforge.evaluate import bos_token_id, log_softmax
 from quantforge.llamacpp_convert import architecture_problem, convert_hf_to_gguf, supported_architectures
@@ -59,10 +59,29 @@ def test_tokenizer_and_bos_round_trip(kind, tiny_model, tmp_path):
     adds_bos = bos_token_id(folder) is not None
     assert adds_bos == (kind == "gemma3")
     assert llm.metadata.get("tokenizer.ggml.add_bos_token", "false") == str(adds_bos).lower()
+    assert gguf_adds_bos(out) == adds_bos  # what the Ollama Modelfile's template is written for
     if adds_bos:  # the SentencePiece tokenizer has no chat tokens
         text = text.replace(" <|im_start|>user", "")
         expected = AutoTokenizer.from_pretrained(folder)(text)["input_ids"]
     assert llm.tokenize(text.encode(), add_bos=adds_bos, special=True) == expected
+
+
+def test_the_header_walk_reads_every_scalar_metadata_value_as_gguf_does(tiny_run):
+    """quantforge's header walk (milliseconds) against gguf's own reader (seconds) on the bundled model's GGUF and a
+    quantized one of the pipeline's: every scalar and string value alike, arrays and absent keys read as None."""
+    from gguf import GGUFReader, GGUFValueType
+
+    from quantforge.artifacts import gguf_metadata_value
+    from quantforge.source import _smollm2_gguf
+
+    for path in [next((tiny_run / "artifacts" / "gguf-q4km").glob("*.gguf")), _smollm2_gguf()]:
+        fields = GGUFReader(path).fields
+        scalars = {k: f for k, f in fields.items() if not k.startswith("GGUF.") and f.types[0] != GGUFValueType.ARRAY}
+        assert len(scalars) > 10
+        for key, field in scalars.items():
+            assert gguf_metadata_value(path, key) == field.contents(), key
+        assert gguf_metadata_value(path, "tokenizer.ggml.tokens") is None
+        assert gguf_metadata_value(path, "no.such.key") is None
 
 
 def test_k_quants_apply_without_fallback_on_multiple_of_256_widths(tiny_llama, tmp_path):

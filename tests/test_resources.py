@@ -45,6 +45,36 @@ def test_plan_grows_with_formats_windows_and_model():
     )
 
 
+def test_llamacpp_evaluation_is_timed_at_ggmls_measured_rate_and_torch_stages_at_numpys():
+    from dataclasses import replace
+
+    measured = replace(HOST, ggml_gflops=25.0)
+
+    def seconds(host: HostSpeed, key: str) -> float:
+        return _stage(make_resource_plan(QWEN_7B, _inputs(), host), key)["seconds"]
+
+    faster_ggml, faster_numpy = replace(measured, ggml_gflops=50.0), replace(measured, gemm_gflops=100.0)
+    assert seconds(faster_ggml, "evaluate/gguf-q4km") < seconds(measured, "evaluate/gguf-q4km")
+    assert seconds(faster_numpy, "evaluate/gguf-q4km") == seconds(measured, "evaluate/gguf-q4km")
+    assert seconds(faster_numpy, "reference") < seconds(measured, "reference")
+    assert seconds(faster_ggml, "reference") == seconds(measured, "reference")
+    # Without llama.cpp's rate the evaluation falls back on numpy's.
+    assert seconds(replace(HOST, gemm_gflops=100.0), "evaluate/gguf-q4km") < seconds(HOST, "evaluate/gguf-q4km")
+
+
+def test_ggml_rate_is_measured_in_llamacpps_library_and_a_broken_library_gives_none(tmp_path, monkeypatch):
+    from quantforge import ggml_rate
+
+    # The child checks ggml's product against numpy's before it reports a rate.
+    assert 1 < ggml_rate.measure_ggml_gflops(2) < 100_000
+    broken = tmp_path / "lib"
+    broken.mkdir()
+    for name in ("libggml-base.so", "libggml-cpu.so"):
+        (broken / name).write_bytes(b"not a shared library")
+    monkeypatch.setattr(ggml_rate, "ggml_library_dir", lambda: broken)
+    assert ggml_rate.measure_ggml_gflops(2) is None
+
+
 def test_on_cuda_the_model_is_planned_in_gpu_memory():
     gptq = (("gptq-int4", "hf", 4.0),)
     cpu = make_resource_plan(QWEN_7B, _inputs(gptq, "cpu", 128 * 512), HOST)
@@ -115,6 +145,7 @@ def test_manifest_holds_each_stages_peak_memory_beside_the_plan(tiny_run):
 
     manifest = read_json(tiny_run / "run.json")
     assert manifest["plan"]["device"] == "cpu"
+    assert manifest["resource_plan"]["host"]["ggml_gflops"] > 1  # a GGUF build measures llama.cpp's own rate
     predicted = {s["key"] for s in manifest["resource_plan"]["stages"]}
     rows = plan_versus_actual(manifest["resource_plan"], manifest["stages"])
     measured = {row["key"] for row in rows}

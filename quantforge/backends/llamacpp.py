@@ -249,7 +249,6 @@ class LlamaCppBackend(Backend):
 
 def gguf_adds_bos(path: Path) -> bool:
     """Whether llama.cpp adds BOS itself when it tokenizes a prompt for this GGUF."""
-    from gguf import GGUFReader
+    from ..artifacts import gguf_metadata_value
 
-    field = GGUFReader(path).get_field("tokenizer.ggml.add_bos_token")
-    return bool(field.contents()) if field is not None else False
+    return bool(gguf_metadata_value(path, "tokenizer.ggml.add_bos_token"))
