@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,24 +153,37 @@ class _GGUFHeader:
             raise ValueError(f"unknown metadata type {kind}")
 
 
-def _read_gguf_tensors(path: Path) -> list[GGUFTensor]:
+@contextmanager
+def _gguf_header(path: Path):
+    """The header cursor of a mapped GGUF file, past its preamble, with its tensor and metadata counts."""
     import mmap
 
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    size = path.stat().st_size
     with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as view:
-        header = _GGUFHeader(view, size)
-        magic, version, tensor_count, kv_count = header.take("4sIQQ")
+        header = _GGUFHeader(view, path.stat().st_size)
+        _magic, version, tensor_count, kv_count = header.take("4sIQQ")
         if version not in (2, 3):
             raise ValueError(f"GGUF version {version}")
-        alignment = 32
-        for _ in range(kv_count):
-            key, kind = header.string(), header.take("I")
-            if key == "general.alignment" and kind == 4:
-                alignment = header.take("I")
-            else:
-                header.skip_value(kind)
+        yield header, tensor_count, kv_count
+
+
+def _read_metadata(header: _GGUFHeader, kv_count: int, keys: set[str]) -> dict:
+    """The scalar and string values of ``keys`` (arrays read as None); leaves the cursor past the metadata."""
+    found = {}
+    for _ in range(kv_count):
+        name, kind = header.string(), header.take("I")
+        if name in keys:
+            found[name] = header.value(kind)
+        else:
+            header.skip_value(kind)
+    return found
+
+
+def _read_gguf_tensors(path: Path) -> list[GGUFTensor]:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with _gguf_header(path) as (header, tensor_count, kv_count):
+        alignment = _read_metadata(header, kv_count, {"general.alignment"}).get("general.alignment")
+        alignment = alignment if isinstance(alignment, int) and alignment > 0 else 32
         table = []
         for _ in range(tensor_count):
             name, dims = header.string(), header.take("I")
@@ -190,17 +204,8 @@ def _read_gguf_tensors(path: Path) -> list[GGUFTensor]:
 def gguf_metadata_value(path: Path, key: str):
     """The scalar or string value of one GGUF metadata key (None when the file lacks it), read from the header
     alone. The file is assumed valid (``gguf_tensors`` checks that)."""
-    import mmap
-
-    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as view:
-        header = _GGUFHeader(view, path.stat().st_size)
-        _magic, _version, _tensor_count, kv_count = header.take("4sIQQ")
-        for _ in range(kv_count):
-            name, kind = header.string(), header.take("I")
-            if name == key:
-                return header.value(kind)
-            header.skip_value(kind)
-    return None
+    with _gguf_header(path) as (header, _tensor_count, kv_count):
+        return _read_metadata(header, kv_count, {key}).get(key)
 
 
 def gguf_tensors(path: Path) -> list[GGUFTensor]:

@@ -14,7 +14,6 @@ then falls back to numpy's rate.
 from __future__ import annotations
 
 import importlib.util
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -104,7 +103,7 @@ def measure_ggml_gflops(threads: int, seconds: float = 0.3, timeout: float = 30.
         done = subprocess.run(
             [sys.executable, "-c", code, str(library_dir)], capture_output=True, text=True, timeout=timeout
         )
-        rate = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
+        rate = float(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else 0.0
     except (subprocess.TimeoutExpired, ValueError, IndexError):
         return None
-    return float(rate) * max(1, threads) if isinstance(rate, (int, float)) and rate > 0 else None
+    return rate * max(1, threads) if rate > 0 else None
