@@ -20,6 +20,7 @@ rest (top-128 only, grouped) gave 0.0473 (15% low).
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,10 +132,11 @@ class ReferenceWindow:
     tail_mass: np.ndarray  # [n] float64, probability outside the top tokens
 
 
-# Positions per log-softmax: bounds the float64 scratch (a 150k vocabulary: 40 MB a copy). Every step is row by row
-# and the tail draws come from one stream in row order, so the size never changes a figure. Smaller chunks were
-# worse: 8 rows put many 5-10 MB blocks on glibc's heap, which fragmented (the 0.5B reference peaked 1 GB higher).
-ROW_CHUNK = 32
+# Positions per log-softmax: bounds the float64 scratch (a 150k vocabulary: 19 MB a buffer). Every step is row by
+# row and the tail draws come from one stream in row order, so the size never changes a figure (checked bit for bit
+# at 8, 16 and 32 rows). Small chunks need the reused buffers (``ChunkScratch``): with fresh temporaries for every
+# chunk, 8 rows put many 5-10 MB blocks on glibc's heap, which fragmented (the 0.5B reference peaked 1 GB higher).
+ROW_CHUNK = 16
 
 LogitRows = Union[np.ndarray, Iterable[np.ndarray]]
 
@@ -180,40 +182,83 @@ def _row_blocks(logits: LogitRows, scored: int):
         raise ValueError(f"the runner gave logits for {start} positions, not the {scored} scored")
 
 
-def _row_chunks(logits: LogitRows, tokens: np.ndarray):
-    """(log-probs, targets) for the scored positions of a window, a few rows at a time."""
+class ChunkScratch:
+    """The float64 work of one row chunk, in buffers made once per window and reused for every chunk.
+
+    Fresh temporaries for every chunk (the widened rows, their log-probabilities, their exponentials, the running
+    sums the tail is drawn from: 13 MB each at a 49k vocabulary, 39 MB at 152k) interleaved with the forward's own
+    allocations on glibc's heap, which fragmented and was not reused: the 135M reference's peak varied by 300 MB
+    from run to run. Each step writes into its buffer with the same kernel it used before, so no figure changes.
+    """
+
+    def __init__(self, vocab: int):
+        import torch
+
+        shape = (ROW_CHUNK, vocab)
+        self.wide = torch.empty(shape, dtype=torch.float64)
+        self.logp = torch.empty(shape, dtype=torch.float64)
+        self.probs = np.empty(shape)  # first the negated log-probabilities that the top tokens are picked from
+        self.cumulative = self.wide.numpy()  # the widened rows are spent once their log-probabilities are made
+
+    def log_softmax(self, rows: np.ndarray) -> np.ndarray:
+        """``log_softmax(rows)``, computed in this scratch; valid until the next call."""
+        import torch
+
+        wide, logp = self.wide[: len(rows)], self.logp[: len(rows)]
+        wide.copy_(torch.from_numpy(np.ascontiguousarray(rows)))
+        return torch.log_softmax(wide, dim=-1, out=logp).numpy()
+
+
+def _row_chunks(logits: LogitRows, tokens: np.ndarray, scratch: ChunkScratch | None = None):
+    """(log-probs, targets) for the scored positions of a window, a few rows at a time (each valid until the next
+    when computed in ``scratch``)."""
     for start, rows in _row_blocks(logits, len(tokens) - 1):
-        yield log_softmax(rows), tokens[start + 1 : start + 1 + len(rows)]
+        logp = log_softmax(rows) if scratch is None else scratch.log_softmax(rows)
+        yield logp, tokens[start + 1 : start + 1 + len(rows)]
 
 
-def _sample_tail(probs: np.ndarray, rng: np.random.Generator, samples: int) -> np.ndarray:
-    """For each row, ``samples`` token ids drawn in proportion to ``probs`` (rows need not sum to 1)."""
-    cumulative = np.cumsum(probs, axis=-1)
-    totals = cumulative[:, -1:]
+def _sample_tail(
+    probs: np.ndarray, rng: np.random.Generator, samples: int, scratch: np.ndarray | None = None
+) -> np.ndarray:
+    """For each row, ``samples`` token ids drawn in proportion to ``probs`` (rows need not sum to 1); ``scratch``,
+    as large as ``probs``, holds the running sums if given."""
+    cumulative = np.cumsum(probs, axis=-1, out=None if scratch is None else scratch[: len(probs)])
+    totals = cumulative[:, -1:].copy()
     draws = rng.random((len(probs), samples)) * totals
     rows = np.arange(len(probs))[:, None]
     # One flat search over all rows: offset each row's cumulative sums past the previous row's total.
     offsets = np.concatenate([[0.0], np.cumsum(totals[:-1, 0])])[:, None]
-    flat = (cumulative + offsets).ravel()
+    flat = np.add(cumulative, offsets, out=cumulative).ravel()
     ids = np.searchsorted(flat, (draws + offsets).ravel(), side="right").reshape(draws.shape) - rows * probs.shape[1]
     return np.clip(ids, 0, probs.shape[1] - 1)
+
+
+def _vocab_size(logits: LogitRows) -> tuple[int, LogitRows]:
+    """The vocabulary size of a window's logits, and the logits still whole (a generator's first block is put back)."""
+    if isinstance(logits, np.ndarray):
+        return logits.shape[-1], logits
+    blocks = iter(logits)
+    first = next(blocks)
+    return first.shape[-1], itertools.chain([first], blocks)
 
 
 def reference_window(
     logits: LogitRows, tokens: np.ndarray, seed: int = 0, top_k: int = TOP_K, tail_samples: int = TAIL_SAMPLES
 ) -> ReferenceWindow:
     rng = np.random.default_rng(seed)
+    vocab, logits = _vocab_size(logits)
+    scratch = ChunkScratch(vocab)
     parts: dict[str, list] = {k: [] for k in ("nll", "top_ids", "top_logp", "tail_ids", "tail_logp", "tail_mass")}
-    for logp, targets in _row_chunks(logits, tokens):
+    for logp, targets in _row_chunks(logits, tokens, scratch):
         rows = np.arange(len(targets))[:, None]
         parts["nll"].append(-logp[rows[:, 0], targets])
-        top = np.argpartition(-logp, top_k, axis=-1)[:, :top_k]
+        top = np.argpartition(np.negative(logp, out=scratch.probs[: len(logp)]), top_k, axis=-1)[:, :top_k]
         top_vals = np.take_along_axis(logp, top, axis=-1)
         order = np.argsort(-top_vals, axis=-1)
         top, top_vals = np.take_along_axis(top, order, axis=-1), np.take_along_axis(top_vals, order, axis=-1)
-        rest = np.exp(logp)
+        rest = np.exp(logp, out=scratch.probs[: len(logp)])
         rest[rows, top] = 0.0
-        tail = _sample_tail(rest, rng, tail_samples)
+        tail = _sample_tail(rest, rng, tail_samples, scratch.cumulative)
         parts["top_ids"].append(top.astype(np.int32))
         parts["top_logp"].append(top_vals.astype(np.float32))
         parts["tail_ids"].append(tail.astype(np.int32))
@@ -222,19 +267,23 @@ def reference_window(
     return ReferenceWindow(**{k: np.concatenate(v) for k, v in parts.items()})
 
 
-def _artifact_logprobs(logits: np.ndarray, targets: np.ndarray, top_ids: np.ndarray, tail_ids: np.ndarray):
+def _artifact_logprobs(
+    logits: np.ndarray, targets: np.ndarray, top_ids: np.ndarray, tail_ids: np.ndarray, scratch=None
+):
     """The artifact's log-probabilities at the targets and at the reference's stored tokens, and its top token.
 
     Only a few hundred entries per row are needed, so the full float32 row is never converted: each gathered
     logit is taken to float64 and the row's log-sum-exp is formed in float64 from the max and the sum of the
     max-shifted exponentials. That keeps KL at 1e-7 precision for a fraction of a float64 log-softmax's cost.
+    ``scratch`` (a float32 tensor of at least as many rows) holds the shifted exponentials if given.
     """
     import torch
 
     rows = torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32))
     peak, argmax = rows.max(dim=-1, keepdim=True)
+    shifted = torch.sub(rows, peak, out=None if scratch is None else scratch[: len(rows)])
     # float32 exp and (cascade) sum of terms <= 1 are accurate to ~1e-7 relative; the log and the shift are float64.
-    lse = peak.double() + torch.exp(rows - peak).sum(dim=-1, keepdim=True).double().log()
+    lse = peak.double() + shifted.exp_().sum(dim=-1, keepdim=True).double().log()
 
     def gather(ids: np.ndarray) -> np.ndarray:
         index = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
@@ -245,12 +294,16 @@ def _artifact_logprobs(logits: np.ndarray, targets: np.ndarray, top_ids: np.ndar
 
 def compare_window(logits: LogitRows, tokens: np.ndarray, ref: ReferenceWindow) -> dict[str, np.ndarray]:
     """Per-position NLL, KL(reference || artifact) and whether the top token agrees."""
+    import torch
+
     targets = tokens[1:]
+    vocab, logits = _vocab_size(logits)
+    scratch = torch.empty((ROW_CHUNK, vocab), dtype=torch.float32)  # reused by every chunk (see ChunkScratch)
     parts: dict[str, list] = {"nll": [], "kld": [], "agree": []}
     for start, block in _row_blocks(logits, len(targets)):  # a few rows at a time: bounded scratch memory
         rows = slice(start, start + len(block))
         picked, top_logq, tail_logq, argmax = _artifact_logprobs(
-            block, targets[rows], ref.top_ids[rows], ref.tail_ids[rows]
+            block, targets[rows], ref.top_ids[rows], ref.tail_ids[rows], scratch
         )
         top_logp, tail_logp = ref.top_logp[rows].astype(np.float64), ref.tail_logp[rows].astype(np.float64)
         top_term = (np.exp(top_logp) * (top_logp - top_logq)).sum(axis=-1)

@@ -211,10 +211,11 @@ def _logits_bytes(size: ModelSize, positions: int) -> int:
 
 
 def _torch_window_bytes(size: ModelSize, context: int) -> int:
-    """Scratch for one window in torch: its logits, the float64 rows compared at a time, the widest activations."""
+    """Scratch for one window in torch: its logits, the float64 rows compared at a time (three reused buffers and
+    the top-token search's index array), the widest activations."""
     from .evaluate import ROW_CHUNK
 
-    rows = ROW_CHUNK * size.vocab_size * 8 * 3
+    rows = ROW_CHUNK * size.vocab_size * 8 * 4
     return _logits_bytes(size, context) + rows + context * size.intermediate_size * 4 * 2
 
 

@@ -47,6 +47,44 @@ def test_scored_rows_are_grouped_alike_however_a_runner_cuts_them(monkeypatch):
         grouped(iter([logits[:20]]))
 
 
+def test_figures_do_not_depend_on_the_row_chunk_and_no_chunk_leaves_state_behind(monkeypatch, tiny_llama):
+    """The reference's stored prediction and the comparison's figures are bit for bit the same whatever the row
+    chunk (the chunk's buffers are reused: nothing may leak from one chunk or window into the next), and the NLL is
+    the float64 log-softmax's."""
+    import quantforge.evaluate as evaluate
+
+    runner = TorchRunner.from_folder(tiny_llama, threads=2)
+    windows = [np.arange(start, start + 64, dtype=np.int32) for start in (100, 900)]
+    logits = [runner.logits(tokens) for tokens in windows]
+    noise = np.random.default_rng(0).normal(0, 0.3, logits[0].shape).astype(np.float32)
+
+    def figures(chunk: int):
+        monkeypatch.setattr(evaluate, "ROW_CHUNK", chunk)
+        refs = [
+            reference_window(rows, tokens, seed=i) for i, (rows, tokens) in enumerate(zip(logits, windows, strict=True))
+        ]
+        compared = [
+            compare_window(rows + noise, tokens, ref) for rows, tokens, ref in zip(logits, windows, refs, strict=True)
+        ]
+        return refs, compared
+
+    refs, compared = figures(16)
+    # Not chunks of one or two rows: torch then splits a wide row's max and sum differently (1e-7), as it always did.
+    for chunk in (3, 5, 63):
+        other_refs, other_compared = figures(chunk)
+        for ref, other in zip(refs, other_refs, strict=True):
+            assert all(np.array_equal(getattr(ref, f), getattr(other, f)) for f in evaluate.REFERENCE_FIELDS), chunk
+        for one, other in zip(compared, other_compared, strict=True):
+            assert all(np.array_equal(one[key], other[key]) for key in one), chunk
+    wide = logits[1][:-1].astype(np.float64)
+    peak = wide.max(axis=-1, keepdims=True)
+    oracle = peak[:, 0] + np.log(np.exp(wide - peak).sum(axis=-1)) - wide[np.arange(63), windows[1][1:]]
+    assert np.allclose(refs[1].nll, oracle, rtol=1e-12, atol=1e-12)
+    assert np.array_equal(refs[1].top_ids[:, 0], wide.argmax(axis=-1))
+    assert np.allclose(refs[1].tail_mass, 1 - np.exp(refs[1].top_logp.astype(np.float64)).sum(axis=-1), atol=1e-5)
+    assert compared[1]["kld"].mean() > 1e-3
+
+
 def test_tokenizing_a_prefix_gives_the_whole_texts_first_tokens(smollm2_dir):
     text = WIKITEXT.read_text()
     whole = tokenize_text(smollm2_dir, text)
