@@ -36,7 +36,11 @@ GB = 1e9
 # Measured as the `tokens` stage's peak: 0.60 GB with SmolLM2's 49k vocabulary, 0.70 GB with Qwen's 152k.
 LIBRARIES_RSS = 0.55 * GB
 TOKENIZER_BYTES_PER_TOKEN = 1000
-CONVERTER_RSS = 0.35 * GB  # llama.cpp's converter process before it maps the model (it imports torch)
+# llama.cpp's converter child: its libraries (torch, transformers for the vocabulary) and a share of the checkpoint.
+# Fitted on three children's peaks here: a 30 MB tiny llama 0.65 GB, SmolLM2-135M (269 MB) 0.75 GB, the 0.5B qwen2
+# (1.26 GB) 1.43 GB; the fit gives 0.95x, 1.03x and 1.00x of them (the former 0.35 GB + 0.9 per byte: 0.8x at 135M).
+CONVERTER_RSS = 0.60 * GB
+CONVERTER_RESIDENT_SHARE = 0.66
 
 # Seconds per unit of work in units of this host's measured float32 GEMM time (2 x parameters x tokens
 # multiply-adds at that rate), or for "evaluate/gguf" of ggml's measured Q8_0 multiply time. Fitted by
@@ -269,9 +273,9 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> list[St
     stages.append(StagePlan(HOST, FIXED_SECONDS["host"], max(base, PROBE_PROCESS_BYTES + 2 * bandwidth_buffer_bytes())))
     if any(family == "gguf" for _, family, _ in inputs.formats):
         seconds = FIXED_SECONDS["intermediate/gguf-f16"] + CONVERT_SECONDS_PER_GB * size.stored_bytes / GB
-        # The converter is a child process that maps the checkpoint and writes tensor by tensor (measured: 0.9 of
-        # the checkpoint resident at its peak); the build process waits beside it.
-        peak = max(base, int(CONVERTER_RSS + 0.9 * size.stored_bytes))
+        # The converter is a child process that maps the checkpoint and writes tensor by tensor, holding part of it
+        # at its peak; the build process waits beside it.
+        peak = max(base, int(CONVERTER_RSS + CONVERTER_RESIDENT_SHARE * size.stored_bytes))
         stages.append(StagePlan(intermediate_stage("gguf-f16"), seconds, peak, size.bf16_bytes, note="child process"))
     bits_of = {key: bits for key, _, bits in inputs.formats}
     for key, family, bits in inputs.formats:
