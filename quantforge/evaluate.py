@@ -186,9 +186,10 @@ class ChunkScratch:
     """The float64 work of one row chunk, in buffers made once per window and reused for every chunk.
 
     Fresh temporaries for every chunk (the widened rows, their log-probabilities, their exponentials, the running
-    sums the tail is drawn from: 13 MB each at a 49k vocabulary, 39 MB at 152k) interleaved with the forward's own
-    allocations on glibc's heap, which fragmented and was not reused: the 135M reference's peak varied by 300 MB
-    from run to run. Each step writes into its buffer with the same kernel it used before, so no figure changes.
+    sums the tail is drawn from: at 32 rows, 13 MB each for a 49k vocabulary, 39 MB for 152k) interleaved with the
+    forward's own allocations on glibc's heap, which fragmented and was not reused: the 135M reference's peak
+    varied by 300 MB from run to run. Each step writes into its buffer with the same kernel it used before, so no
+    figure changes.
     """
 
     def __init__(self, vocab: int):
@@ -209,20 +210,17 @@ class ChunkScratch:
         return torch.log_softmax(wide, dim=-1, out=logp).numpy()
 
 
-def _row_chunks(logits: LogitRows, tokens: np.ndarray, scratch: ChunkScratch | None = None):
-    """(log-probs, targets) for the scored positions of a window, a few rows at a time (each valid until the next
-    when computed in ``scratch``)."""
+def _row_chunks(logits: LogitRows, tokens: np.ndarray, scratch: ChunkScratch):
+    """(log-probs, targets) for the scored positions of a window, a few rows at a time (each log-prob array is
+    ``scratch``'s, valid until the next is asked for)."""
     for start, rows in _row_blocks(logits, len(tokens) - 1):
-        logp = log_softmax(rows) if scratch is None else scratch.log_softmax(rows)
-        yield logp, tokens[start + 1 : start + 1 + len(rows)]
+        yield scratch.log_softmax(rows), tokens[start + 1 : start + 1 + len(rows)]
 
 
-def _sample_tail(
-    probs: np.ndarray, rng: np.random.Generator, samples: int, scratch: np.ndarray | None = None
-) -> np.ndarray:
+def _sample_tail(probs: np.ndarray, rng: np.random.Generator, samples: int, scratch: np.ndarray) -> np.ndarray:
     """For each row, ``samples`` token ids drawn in proportion to ``probs`` (rows need not sum to 1); ``scratch``,
-    as large as ``probs``, holds the running sums if given."""
-    cumulative = np.cumsum(probs, axis=-1, out=None if scratch is None else scratch[: len(probs)])
+    with at least as many rows as ``probs``, holds the running sums."""
+    cumulative = np.cumsum(probs, axis=-1, out=scratch[: len(probs)])
     totals = cumulative[:, -1:].copy()
     draws = rng.random((len(probs), samples)) * totals
     rows = np.arange(len(probs))[:, None]
@@ -238,7 +236,9 @@ def _vocab_size(logits: LogitRows) -> tuple[int, LogitRows]:
     if isinstance(logits, np.ndarray):
         return logits.shape[-1], logits
     blocks = iter(logits)
-    first = next(blocks)
+    first = next(blocks, None)
+    if first is None:  # no rows at all: _row_blocks says how many were expected
+        return 0, iter(())
     return first.shape[-1], itertools.chain([first], blocks)
 
 
@@ -267,21 +267,19 @@ def reference_window(
     return ReferenceWindow(**{k: np.concatenate(v) for k, v in parts.items()})
 
 
-def _artifact_logprobs(
-    logits: np.ndarray, targets: np.ndarray, top_ids: np.ndarray, tail_ids: np.ndarray, scratch=None
-):
+def _artifact_logprobs(logits: np.ndarray, targets: np.ndarray, top_ids: np.ndarray, tail_ids: np.ndarray, scratch):
     """The artifact's log-probabilities at the targets and at the reference's stored tokens, and its top token.
 
     Only a few hundred entries per row are needed, so the full float32 row is never converted: each gathered
     logit is taken to float64 and the row's log-sum-exp is formed in float64 from the max and the sum of the
     max-shifted exponentials. That keeps KL at 1e-7 precision for a fraction of a float64 log-softmax's cost.
-    ``scratch`` (a float32 tensor of at least as many rows) holds the shifted exponentials if given.
+    ``scratch`` (a float32 tensor with at least as many rows) holds the shifted exponentials.
     """
     import torch
 
     rows = torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32))
     peak, argmax = rows.max(dim=-1, keepdim=True)
-    shifted = torch.sub(rows, peak, out=None if scratch is None else scratch[: len(rows)])
+    shifted = torch.sub(rows, peak, out=scratch[: len(rows)])
     # float32 exp and (cascade) sum of terms <= 1 are accurate to ~1e-7 relative; the log and the shift are float64.
     lse = peak.double() + shifted.exp_().sum(dim=-1, keepdim=True).double().log()
 
