@@ -213,3 +213,32 @@ def test_packed_evaluation_equals_a_fully_dequantized_model(torch_run, key, monk
     with torch.inference_mode():
         assert torch.equal(packed(input_ids=ids).logits, eager(input_ids=ids).logits)
     assert all(p.device.type == "meta" for p in packed.model.layers[0].mlp.parameters())  # nothing held widened
+
+
+def test_device_check_computes_its_cpu_side_for_random_models_and_packed_artifacts(torch_run, tiny_llama, tmp_path):
+    """scripts/device_check.py, the GPU check for a machine that can install nothing, on this CPU-only machine: every
+    figure of its CPU side is computed (random models of two architectures, the model and its packed artifacts
+    through the dequantized evaluation) and nothing claims a CUDA figure."""
+    import subprocess
+    import sys
+
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    (prepared / "model").symlink_to(tiny_llama)
+    (prepared / "run").symlink_to(torch_run)
+    out = tmp_path / "out"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "device_check.py"
+    command = [sys.executable, str(script), "run", str(prepared), "--out", str(out), "--architectures", "llama,gemma3"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = read_json(out / "device_check.json")
+    packed = {f"{key} (packed)" for key in TORCH_FORMATS.split(",")}
+    assert set(report["models"]) == {"llama", "gemma3", "prepared model"} | packed
+    assert report["device_resolution"]["cuda:7"].startswith("error: --device cuda:7")
+    for entry in report["models"].values():
+        assert "cuda" not in entry and 1 < entry["cpu"]["perplexity"] < float("inf")
+    to_reference = {name: report["models"][name]["cpu"]["kld_to_reference"] for name in packed}
+    # Eight bits stay closer to the reference than four, as every card of this model says.
+    assert 0 < to_reference["int8 (packed)"] < to_reference["gptq-int4 (packed)"]
+    assert 0 < to_reference["gptq-int8 (packed)"] < to_reference["gptq-int4 (packed)"]
+    assert "none visible: CPU side only" in result.stdout
