@@ -217,6 +217,8 @@ def main() -> int:
     check.add_argument("--out", type=Path, required=True)
     check.add_argument("--architectures", default="llama,mistral,qwen2,qwen3,gemma3,phi3,qwen2_moe,olmo2")
     args = parser.parse_args()
+    if args.command == "run" and args.folder is not None and not (args.folder / "run" / "artifacts").is_dir():
+        parser.error(f"{args.folder} holds no prepared artifacts: run 'scripts/device_check.py prepare {args.folder}'")
     if args.command == "prepare":
         prepare(args.folder)
         return 0
