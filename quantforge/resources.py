@@ -214,13 +214,13 @@ def _logits_bytes(size: ModelSize, positions: int) -> int:
     return positions * size.vocab_size * 4
 
 
-def _torch_window_bytes(size: ModelSize, context: int) -> int:
-    """Scratch for one window in torch: its logits, the float64 rows compared at a time (three reused buffers and
-    the top-token search's index array), the widest activations."""
+def _torch_window_bytes(size: ModelSize, context: int, logit_rows: int) -> int:
+    """Scratch for one window in torch: ``logit_rows`` positions' logits, the float64 rows compared at a time (three
+    reused buffers and the top-token search's index array), the widest activations."""
     from .evaluate import ROW_CHUNK
 
     rows = ROW_CHUNK * size.vocab_size * 8 * 4
-    return _logits_bytes(size, context) + rows + context * size.intermediate_size * 4 * 2
+    return _logits_bytes(size, logit_rows) + rows + context * size.intermediate_size * 4 * 2
 
 
 def _llama_window_bytes(size: ModelSize, context: int) -> int:
@@ -243,6 +243,8 @@ PROBE_PROCESS_BYTES = 100 << 20  # python and numpy in the bandwidth probe's pro
 
 def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> list[StagePlan]:
     """Every stage of the build in run order, with its predicted seconds, peak resident memory and disk."""
+    from .runners import HEAD_ROWS
+
     flop_seconds = 2 * size.parameters / (host.gemm_gflops * 1e9)  # one token through the model at GEMM speed
     ggml_seconds = 2 * size.parameters / (host.ggml_gflops * 1e9) if host.ggml_gflops else None  # at ggml's
     eval_tokens = inputs.context * inputs.windows
@@ -255,7 +257,9 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> list[St
     ]
 
     def torch_stage(key: str, factor: str, tokens: int, held: int, fixed: str) -> StagePlan:
-        rss = base + held + widened + _torch_window_bytes(size, inputs.context)
+        # Scoring a window holds a block of its logits at a time (TorchRunner.scored_logits); tasks, a window's.
+        logit_rows = inputs.context if factor == "tasks" else min(inputs.context, HEAD_ROWS)
+        rss = base + held + widened + _torch_window_bytes(size, inputs.context, logit_rows)
         seconds = FIXED_SECONDS[fixed] + TIME_FACTORS[factor] * flop_seconds * tokens
         if on_gpu:  # weights and activations on the GPU; host memory holds the libraries and a window's logits
             return StagePlan(key, seconds, base + _logits_bytes(size, inputs.context), 0, rss - base)
