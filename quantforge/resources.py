@@ -261,8 +261,8 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> list[St
         logit_rows = inputs.context if factor == "tasks" else min(inputs.context, HEAD_ROWS)
         rss = base + held + widened + _torch_window_bytes(size, inputs.context, logit_rows)
         seconds = FIXED_SECONDS[fixed] + TIME_FACTORS[factor] * flop_seconds * tokens
-        if on_gpu:  # weights and activations on the GPU; host memory holds the libraries and a window's logits
-            return StagePlan(key, seconds, base + _logits_bytes(size, inputs.context), 0, rss - base)
+        if on_gpu:  # weights and activations on the GPU; host memory holds the libraries and the logits in hand
+            return StagePlan(key, seconds, base + _logits_bytes(size, logit_rows), 0, rss - base)
         return StagePlan(key, seconds, rss)
 
     reference_weights = _resident_weights(size)

@@ -38,10 +38,16 @@ class TorchRunner:
         import torch
 
         with torch.inference_mode():
-            ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64)[None, :], device=self.device)
+            ids = self._ids(tokens)
             # No KV cache: nothing decodes after the window, and it would be held beside the window's logits at the
             # forward's peak (about 0.5 GB at 2048 positions for an 8B model with grouped-query attention).
             return self.model(input_ids=ids, use_cache=False).logits[0].float().cpu().numpy()
+
+    def _ids(self, tokens: np.ndarray):
+        """One window's token ids as the batch of one the model takes, on its device."""
+        import torch
+
+        return torch.as_tensor(np.asarray(tokens, dtype=np.int64)[None, :], device=self.device)
 
     def scored_logits(self, tokens: np.ndarray):
         """The logits of a window's scored positions (all but the last), ``HEAD_ROWS`` positions at a time.
@@ -65,7 +71,7 @@ class TorchRunner:
         ):
             yield self.logits(tokens)[:-1]
             return
-        ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64)[None, :], device=self.device)
+        ids = self._ids(tokens)
         with torch.inference_mode():
             outputs = body(input_ids=ids, use_cache=False)
         hidden, scored = outputs.last_hidden_state, len(tokens) - 1
