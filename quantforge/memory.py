@@ -71,3 +71,27 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim
         pass
+
+
+def import_transformers_without_sklearn() -> None:
+    """Import transformers' generation code (which every model and tokenizer class pulls in) with scikit-learn
+    reported absent.
+
+    transformers imports ``sklearn.metrics`` at that point whenever scikit-learn is installed (lm-eval depends on
+    it), for one option of assisted generation that nothing here uses; scikit-learn brings pandas, pyarrow and
+    joblib. Measured: 136 MB resident in a process that loads a model (73 MB where ``datasets`` already brought
+    pandas) and a second of start-up. scikit-learn stays importable afterwards (lm-eval's metrics import it
+    themselves). Does nothing when scikit-learn or that module is already imported.
+    """
+    import sys
+
+    if "sklearn" in sys.modules or "transformers.generation.candidate_generator" in sys.modules:
+        return
+    sys.modules["sklearn"] = None  # importlib.util.find_spec answers None for it: "not installed"
+    try:
+        import transformers.generation.candidate_generator  # noqa: F401
+    except ImportError:  # a transformers laid out otherwise: it imports as it would have
+        pass
+    finally:
+        if sys.modules.get("sklearn", 0) is None:
+            del sys.modules["sklearn"]

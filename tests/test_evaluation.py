@@ -47,6 +47,38 @@ def test_scored_rows_are_grouped_alike_however_a_runner_cuts_them(monkeypatch):
         grouped(iter([logits[:20]]))
 
 
+def test_a_block_of_logits_is_let_go_before_the_runner_makes_the_next(monkeypatch):
+    """Neither the reference nor the comparison holds a block of logits (or a view of it) while the runner makes the
+    next one: a torch runner's blocks are fresh arrays, and two of them alive at once cost 78 MB more at a 152k
+    vocabulary (the first block used to live through the whole window). Figures match the whole logits'."""
+    import weakref
+
+    import quantforge.evaluate as evaluate
+
+    monkeypatch.setattr(evaluate, "ROW_CHUNK", 4)
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 2, (31, 50)).astype(np.float32)  # 30 scored rows: blocks of 8 leave a chunk straddling
+    tokens = rng.integers(0, 50, 31).astype(np.int32)
+
+    def runner_blocks(alive: list):
+        for start in range(0, 30, 8):
+            assert all(ref() is None for ref in alive), f"a block was still held when block {start // 8} was made"
+            block = np.array(logits[start : min(start + 8, 30)])  # fresh, as a torch head's output is
+            alive.append(weakref.ref(block))
+            yield block
+            del block
+
+    alive: list = []
+    ref = evaluate.reference_window(runner_blocks(alive), tokens, top_k=4, tail_samples=8)
+    assert len(alive) == 4
+    whole = evaluate.reference_window(logits, tokens, top_k=4, tail_samples=8)
+    assert all(np.array_equal(getattr(ref, f), getattr(whole, f)) for f in evaluate.REFERENCE_FIELDS)
+    alive = []
+    compared = evaluate.compare_window(runner_blocks(alive), tokens, whole)
+    assert len(alive) == 4
+    assert all(np.array_equal(v, compare_window(logits, tokens, whole)[k]) for k, v in compared.items())
+
+
 def test_figures_do_not_depend_on_the_row_chunk_and_no_chunk_leaves_state_behind(monkeypatch, tiny_llama):
     """The reference's stored prediction and the comparison's figures are bit for bit the same whatever the row
     chunk (the chunk's buffers are reused: nothing may leak from one chunk or window into the next), and the NLL is

@@ -7,6 +7,9 @@ bit for bit, those of transformers loading it in float32. The hooks are forced o
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from tiny_models import ARCHITECTURES
@@ -70,3 +73,24 @@ def test_scored_logits_in_blocks_are_the_whole_windows_rows(tiny_model, kind, mo
     np.testing.assert_allclose(np.concatenate(blocks), whole, rtol=1e-5, atol=1e-5)
     assert np.abs(np.diff(whole, axis=0)).max() > 1e-2  # a block cut or shifted wrongly would break the check
     assert "forward" not in vars(runner.model.base_model)
+
+
+def test_a_model_loads_without_scikit_learn_and_it_stays_importable(tiny_llama):
+    """transformers' generation code would import scikit-learn (and with it pandas and pyarrow: 0.1 GB resident) in
+    every process that loads a model; quantforge loads models with it reported absent, and imports it normally
+    afterwards (lm-eval's metrics use it). In a fresh interpreter: this one may have imported it already."""
+    script = f"""
+import sys
+import numpy as np
+from quantforge.runners import TorchRunner
+runner = TorchRunner.from_folder({str(tiny_llama)!r}, threads=1)
+logits = runner.logits(np.arange(100, 116))
+assert logits.shape[0] == 16 and np.isfinite(logits).all()
+assert "transformers.generation.candidate_generator" in sys.modules
+assert "sklearn" not in sys.modules and "pandas" not in sys.modules, "scikit-learn came in with the model"
+import sklearn.metrics
+print("ok", sklearn.metrics.accuracy_score([1, 0], [1, 1]))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["ok", "0.5"]
