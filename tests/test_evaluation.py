@@ -76,7 +76,8 @@ def test_a_block_of_logits_is_let_go_before_the_runner_makes_the_next(monkeypatc
     alive = []
     compared = evaluate.compare_window(runner_blocks(alive), tokens, whole)
     assert len(alive) == 4
-    assert all(np.array_equal(v, compare_window(logits, tokens, whole)[k]) for k, v in compared.items())
+    expected = compare_window(logits, tokens, whole)
+    assert all(np.array_equal(value, expected[key]) for key, value in compared.items())
 
 
 def test_figures_do_not_depend_on_the_row_chunk_and_no_chunk_leaves_state_behind(monkeypatch, tiny_llama):
