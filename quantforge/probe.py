@@ -126,7 +126,7 @@ def probe_transformers(path: Path, prompt: list[int], gen_tokens: int, threads: 
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(2, threads)))
     import torch
 
-    from quantforge.memory import import_transformers_without_sklearn
+    from .memory import import_transformers_without_sklearn
 
     import_transformers_without_sklearn()  # the probe's peak memory is the model's, not scikit-learn's
     from transformers import AutoModelForCausalLM
