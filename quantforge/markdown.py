@@ -92,12 +92,14 @@ def _speed_table(card: dict) -> list[str]:
     if not rows:
         return []
     first = rows[0][1]
+    measured = next((speed for _, speed in rows if speed.get("omp_wait_policy")), {})
+    policy = f" (OpenMP wait policy: {measured['omp_wait_policy']})" if measured else ""
     lines = [
         "",
         "## Decode speed (this host) and the memory-bandwidth roofline",
         "",
         f"Prompt {first['prompt_tokens']} tokens, {first['gen_tokens']} generated greedily, median of "
-        f"{first['runs']} runs after a warm-up, {first['threads']} threads; host bandwidth "
+        f"{first['runs']} runs after a warm-up, {first['threads']} threads{policy}; host bandwidth "
         f"{first['host_bandwidth_gbs']:.1f} GB/s (measured). GPU bounds are computed, not measured.",
         "",
         "| format | runtime | prompt tok/s | decode tok/s | TTFT s | TPOT ms | peak MB | host bound tok/s | "

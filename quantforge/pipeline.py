@@ -660,8 +660,10 @@ class Build:
         import sys
 
         from .gpus import gpu_rooflines, roofline
+        from .openmp import users_environment, wait_policy
 
         settings = dict(self.plan.speed)
+        probe_env = users_environment()  # timed as its users run it, not with this process's passive threads
         path = self.paths.speed(key)
         bandwidth = self.host()["bandwidth_gbs"]
 
@@ -704,7 +706,7 @@ class Build:
                 log = self.paths.log(f"speed-{key}")
                 log.parent.mkdir(parents=True, exist_ok=True)
                 with self.ui.task(f"speed {key} ({runtime})"), open(log, "ab") as stream:
-                    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=stream, text=True)
+                    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=stream, text=True, env=probe_env)
                 if done.returncode != 0:
                     raise QuantforgeError(f"the speed probe of {key} failed (exit {done.returncode}); see {log}")
                 measured = json.loads(done.stdout.strip().splitlines()[-1])
@@ -723,7 +725,7 @@ class Build:
                     np.ascontiguousarray(prompt[: settings["prompt_tokens"]]).tobytes()
                 ).hexdigest(),
             },
-            settings={**settings, "threads": self.plan.threads},
+            settings={**settings, "threads": self.plan.threads, "omp_wait_policy": wait_policy(probe_env)},
             outputs=[path],
             produce=produce,
         )

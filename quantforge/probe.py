@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .openmp import wait_policy
+
 
 def last_level_cache_bytes() -> int | None:
     """The largest CPU cache Linux reports (sysfs), or None elsewhere."""
@@ -82,7 +84,7 @@ def _timings(prompt_seconds: float, first_token_at: float, token_times: list[flo
 
 
 def probe_llama_cpp(path: Path, prompt: list[int], gen_tokens: int, threads: int, runs: int) -> dict:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    """llama.cpp as its users run it: with the OpenMP wait policy this process was given (see openmp.py)."""
     from llama_cpp import Llama
 
     llm = Llama(
@@ -242,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         result = PROBES[args.runtime](args.path, prompt, args.gen_tokens, args.threads, args.runs)
     result["peak_rss_mb"] = peak_rss_mb()
+    result["omp_wait_policy"] = wait_policy()
     print(json.dumps(result))
     return 0
 

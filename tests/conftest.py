@@ -55,8 +55,8 @@ def tiny_qwen2(tiny_model) -> Path:
 
 
 def quantforge_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 900):
-    """Run the installed CLI in a subprocess, as a user would."""
-    full_env = {**os.environ, **(env or {})}
+    """Run the installed CLI in a subprocess, as a user would (an ``env`` value of None unsets that variable)."""
+    full_env = {name: value for name, value in {**os.environ, **(env or {})}.items() if value is not None}
     return subprocess.run(
         [sys.executable, "-m", "quantforge.cli", *args],
         cwd=cwd,

@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import FAST_EVAL, TASKS_DATA, WIKITEXT, quantforge_cli, read_json
+from conftest import FAST_EVAL, TASKS_DATA, TINY_RUN_ARGS, WIKITEXT, quantforge_cli, read_json
 
 from quantforge.evaluate import compare_window, reference_window, tokenize_text
 from quantforge.runners import TorchRunner
@@ -198,8 +198,49 @@ def test_speed_probe_and_roofline(tiny_run):
         assert speed["host_decode_tps_bound"] > speed["decode_tps"]
         assert 0 < speed["fraction_of_roofline"] < 1
         assert speed["gpus"]["H100"]["computed"] and speed["gpus"]["H100"]["decode_tps_bound"] > speed["decode_tps"]
+        assert speed["omp_wait_policy"] == "PASSIVE", key  # the tests' own choice (conftest) is the user's: kept
     assert card["host"]["bandwidth_gbs"] > 0.5
     assert "## Decode speed" in (tiny_run / "card.md").read_text()
+    assert "(OpenMP wait policy: PASSIVE)" in (tiny_run / "card.md").read_text()
+
+
+def test_the_speed_probe_runs_as_users_run_the_runtime_not_with_our_passive_threads(tiny_run, tmp_path):
+    """A build makes OpenMP threads wait passively when the user set no policy; a probe that inherited that would
+    time llama.cpp's decode about 40% slower than its users see it (openmp.py). So the probe gets the user's
+    environment, the figure says which policy it ran under, and a change of policy redoes the speed stages alone."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    before = read_json(run / "run.json")["stages"]
+    result = quantforge_cli(
+        "build", before["fetch"]["result"]["path"], "--out", str(run), *TINY_RUN_ARGS, env={"OMP_WAIT_POLICY": None}
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    after = read_json(run / "run.json")["stages"]
+    card = read_json(run / "card.json")
+    speeds = {"reference": card["reference"]["speed"], **{e["key"]: e["speed"] for e in card["formats"]}}
+    for key, speed in speeds.items():
+        assert speed["measured"] and speed["omp_wait_policy"] == "default", key
+        assert after[f"speed/{key}"]["started"] != before[f"speed/{key}"]["started"], key
+        assert after[f"speed/{key}"]["settings"]["omp_wait_policy"] == "default"
+    for key in ("reference", *(f"evaluate/{e['key']}" for e in card["formats"])):
+        assert after[key]["started"] == before[key]["started"], f"{key} was redone"
+    assert "(OpenMP wait policy: default)" in (run / "card.md").read_text()
+
+
+def test_our_passive_wait_policy_stays_ours(monkeypatch):
+    from quantforge.openmp import OURS, WAIT_POLICY, users_environment, wait_passively, wait_policy
+
+    monkeypatch.delenv(WAIT_POLICY, raising=False)
+    monkeypatch.delenv(OURS, raising=False)
+    wait_passively()
+    assert wait_policy() == "PASSIVE"  # this process's threads sleep while they wait
+    assert WAIT_POLICY not in users_environment() and OURS not in users_environment()
+    assert wait_policy(users_environment()) == "default"
+    # A policy the user set is theirs: kept in this process and in the probe's.
+    monkeypatch.setenv(WAIT_POLICY, "ACTIVE")
+    monkeypatch.delenv(OURS)
+    wait_passively()
+    assert wait_policy() == "ACTIVE" and users_environment()[WAIT_POLICY] == "ACTIVE"
 
 
 def test_probe_memory_is_the_probes_own_not_its_parents(tiny_run, tmp_path):

@@ -36,11 +36,10 @@ def _gguf_format(name: str) -> Format:
 
 
 def prepare_llama_cpp_env() -> None:
-    """Settings that must be in place before llama.cpp's library starts its threads.
+    """Settings that must be in place before llama.cpp's library starts its threads (see openmp.py)."""
+    from ..openmp import wait_passively
 
-    Spin-waiting OpenMP threads made a 44 s perplexity run take over 12 minutes on 2 busy cores.
-    """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    wait_passively()
 
 
 def gguf_file_in(folder: Path) -> Path:
