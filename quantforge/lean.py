@@ -139,9 +139,9 @@ def float32_buffers(model: torch.nn.Module, config) -> None:
 
 def stored_dtype_model(folder: Path, *, device: str = "cpu", trust_remote_code: bool = False) -> torch.nn.Module:
     """The checkpoint in its stored dtype, computing in float32: the same logits as loading it in float32."""
-    from .memory import import_transformers_without_sklearn
+    from .memory import import_transformers_slim
 
-    import_transformers_without_sklearn()  # before transformers' model classes, which would import scikit-learn
+    import_transformers_slim()  # before transformers' model classes, which would import scikit-learn and more
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(

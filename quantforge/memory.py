@@ -73,25 +73,44 @@ def release_freed_memory() -> None:
         pass
 
 
-def import_transformers_without_sklearn() -> None:
-    """Import transformers' generation code (which every model and tokenizer class pulls in) with scikit-learn
-    reported absent.
+# Packages transformers imports whenever they are installed, for features nothing here uses, and the transformers
+# module that imports each. Measured in a process that loads SmolLM2-135M: scikit-learn (lm-eval depends on it; it
+# brings pandas, pyarrow and joblib) 136 MB resident and a second of start-up, 73 MB where ``datasets`` already
+# brought pandas; scipy (for object-detection losses) 36 MB and 0.4 s; torchao (GPTQModel depends on it, for its
+# FP4 kernels) 13 MB beyond the torch modules that loading a model imports anyway.
+UNUSED_BY_TRANSFORMERS = {
+    "sklearn": "transformers.generation.candidate_generator",  # one option of assisted generation
+    "scipy": "transformers.modeling_utils",  # object-detection losses (loss_for_object_detection)
+    "torchao": "transformers.quantizers.auto",  # loading torchao-quantized checkpoints
+}
 
-    transformers imports ``sklearn.metrics`` at that point whenever scikit-learn is installed (lm-eval depends on
-    it), for one option of assisted generation that nothing here uses; scikit-learn brings pandas, pyarrow and
-    joblib. Measured: 136 MB resident in a process that loads a model (73 MB where ``datasets`` already brought
-    pandas) and a second of start-up. scikit-learn stays importable afterwards (lm-eval's metrics import it
-    themselves). Does nothing when scikit-learn or that module is already imported.
+
+def import_transformers_slim() -> None:
+    """Import the transformers modules that every model class pulls in with the packages in
+    ``UNUSED_BY_TRANSFORMERS`` reported absent, so that loading a model does not load them.
+
+    transformers then behaves as where they are not installed (its ``is_*_available`` answers are cached for the
+    process); none of the libraries we run asks transformers about them. The packages stay importable: lm-eval's
+    metrics import scikit-learn (and it scipy) and GPTQModel imports torchao themselves. A package already imported,
+    or whose transformers module is, is left alone.
     """
+    import importlib
     import sys
 
-    if "sklearn" in sys.modules or "transformers.generation.candidate_generator" in sys.modules:
-        return
-    sys.modules["sklearn"] = None  # importlib.util.find_spec answers None for it: "not installed"
+    blocked = [
+        package
+        for package, module in UNUSED_BY_TRANSFORMERS.items()
+        if package not in sys.modules and module not in sys.modules
+    ]
+    for package in blocked:
+        sys.modules[package] = None  # importlib.util.find_spec answers None for it: "not installed"
     try:
-        import transformers.generation.candidate_generator  # noqa: F401
-    except ImportError:  # a transformers laid out otherwise: it imports as it would have
-        pass
+        for package in blocked:
+            try:
+                importlib.import_module(UNUSED_BY_TRANSFORMERS[package])
+            except ImportError:  # a transformers laid out otherwise: it imports as it would have
+                pass
     finally:
-        if sys.modules.get("sklearn", 0) is None:
-            del sys.modules["sklearn"]
+        for package in blocked:
+            if sys.modules.get(package, 0) is None:
+                del sys.modules[package]

@@ -128,9 +128,9 @@ def probe_transformers(path: Path, prompt: list[int], gen_tokens: int, threads: 
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(2, threads)))
     import torch
 
-    from .memory import import_transformers_without_sklearn
+    from .memory import import_transformers_slim
 
-    import_transformers_without_sklearn()  # the probe's peak memory is the model's, not scikit-learn's
+    import_transformers_slim()  # the probe's peak memory is the model's, not unused libraries'
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)

@@ -34,7 +34,7 @@ GB = 1e9
 
 # Resident memory of a build process before any model: the libraries, plus its tokenizer (about 1 kB a token).
 # Measured as the `tokens` stage's peak: 0.53 GB with SmolLM2's 49k vocabulary, 0.63 GB with Qwen's 152k (0.60 and
-# 0.70 while transformers imported scikit-learn, see memory.import_transformers_without_sklearn).
+# 0.70 while transformers imported scikit-learn, see memory.import_transformers_slim).
 LIBRARIES_RSS = 0.48 * GB
 # The fetch stage runs before transformers is imported: 0.36 GB at both sizes.
 FETCH_RSS = 0.36 * GB

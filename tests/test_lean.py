@@ -76,9 +76,9 @@ def test_scored_logits_in_blocks_are_the_whole_windows_rows(tiny_model, kind, mo
 
 
 def test_a_model_loads_without_scikit_learn_and_it_stays_importable(tiny_llama):
-    """transformers' generation code would import scikit-learn (and with it pandas and pyarrow: 0.1 GB resident) in
-    every process that loads a model; quantforge loads models with it reported absent, and imports it normally
-    afterwards (lm-eval's metrics use it). In a fresh interpreter: this one may have imported it already."""
+    """transformers would import scikit-learn (and with it pandas and pyarrow: 0.1 GB resident), scipy and torchao
+    in every process that loads a model; quantforge loads models with them reported absent, and they import normally
+    afterwards (lm-eval's metrics use scikit-learn). In a fresh interpreter: this one may have imported them."""
     script = f"""
 import sys
 import numpy as np
@@ -86,9 +86,10 @@ from quantforge.runners import TorchRunner
 runner = TorchRunner.from_folder({str(tiny_llama)!r}, threads=1)
 logits = runner.logits(np.arange(100, 116))
 assert logits.shape[0] == 16 and np.isfinite(logits).all()
-assert "transformers.generation.candidate_generator" in sys.modules
-assert "sklearn" not in sys.modules and "pandas" not in sys.modules, "scikit-learn came in with the model"
-import sklearn.metrics
+for package in ("sklearn", "scipy", "torchao"):
+    assert package not in sys.modules, package + " came in with the model"
+assert "pandas" not in sys.modules
+import scipy.optimize, sklearn.metrics, torchao
 print("ok", sklearn.metrics.accuracy_score([1, 0], [1, 1]))
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
