@@ -92,8 +92,8 @@ def _speed_table(card: dict) -> list[str]:
     if not rows:
         return []
     first = rows[0][1]
-    measured = next((speed for _, speed in rows if speed.get("omp_wait_policy")), {})
-    policy = f" (OpenMP wait policy: {measured['omp_wait_policy']})" if measured else ""
+    probed = next((speed for _, speed in rows if speed.get("omp_wait_policy")), None)  # cards before it lack one
+    policy = f" (OpenMP wait policy: {probed['omp_wait_policy']})" if probed else ""
     lines = [
         "",
         "## Decode speed (this host) and the memory-bandwidth roofline",
