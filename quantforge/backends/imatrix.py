@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ..logs import run_logged
+from ..openmp import wait_passively
 from . import Intermediate, QuantizeJob
 from .llamacpp import (
     F16_GGUF,
@@ -27,7 +28,6 @@ from .llamacpp import (
     LlamaCppBackend,
     _gguf_format,
     fallback_tensors,
-    prepare_llama_cpp_env,
     tensor_types,
 )
 
@@ -52,7 +52,7 @@ def calibration_text(job: QuantizeJob) -> tuple[str, int, int]:
 
 
 def _run_tool(command: list[str], log_path: Path, what: str, cwd: Path | None = None) -> str:
-    prepare_llama_cpp_env()
+    wait_passively()
     return run_logged(command, log_path, what, cwd)
 
 

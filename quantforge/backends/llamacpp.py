@@ -15,6 +15,7 @@ import numpy as np
 
 from ..errors import QuantforgeError
 from ..logs import capture_output
+from ..openmp import wait_passively
 from . import Backend, Deployment, Format, Intermediate, LogitsRunner, QuantizeJob
 
 GGUF_RUNTIMES = ("llama.cpp", "ollama")
@@ -35,13 +36,6 @@ def _gguf_format(name: str) -> Format:
     return Format(name, "gguf", scheme, GGUF_RUNTIMES, NOMINAL_BITS[name], f"GGUF {scheme} (llama.cpp, Ollama)", "GGUF")
 
 
-def prepare_llama_cpp_env() -> None:
-    """Settings that must be in place before llama.cpp's library starts its threads (see openmp.py)."""
-    from ..openmp import wait_passively
-
-    wait_passively()
-
-
 def gguf_file_in(folder: Path) -> Path:
     files = sorted(folder.glob("*.gguf"))
     if len(files) != 1:
@@ -57,7 +51,7 @@ def tensor_types(gguf_path: Path) -> dict[str, str]:
 
 def quantize_gguf(source: Path, target: Path, ftype: int, threads: int, log_path: Path) -> dict:
     """Run llama.cpp's quantizer; return how many tensors fell back to another type."""
-    prepare_llama_cpp_env()
+    wait_passively()  # before llama.cpp's library starts its threads (openmp.py)
     import ctypes
 
     import llama_cpp
@@ -85,7 +79,7 @@ class LlamaCppRunner:
     runtime = "llama.cpp"
 
     def __init__(self, gguf_path: Path, *, context: int, threads: int, device: str = "cpu"):
-        prepare_llama_cpp_env()
+        wait_passively()
         import llama_cpp
         from llama_cpp import Llama
 
