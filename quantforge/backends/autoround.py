@@ -20,6 +20,18 @@ SCHEMES = {"gguf-q8_0": "gguf:q8_0", "gguf-q6k": "gguf:q6_k", "gguf-q5km": "gguf
 DEFAULT_ITERS = 0
 
 
+def let_go_of_the_model() -> None:
+    """Reset auto-round's process-wide singletons, which keep the model it rounded until the next AutoRound: the
+    model context and the GGUF shard writer (measured on SmolLM2-135M: 0.13 GB stayed resident after the stage)."""
+    from auto_round.compressors.shard_writer import ShardWriter
+    from auto_round.context.compress import CompressContext
+    from auto_round.context.model import ModelContext
+
+    ShardWriter.reset()
+    ModelContext.reset_context()
+    CompressContext.reset_context()
+
+
 class AutoRoundBackend(LlamaCppBackend):
     name = "autoround"
     formats = {name: _gguf_format(name) for name in SCHEMES}
@@ -77,6 +89,8 @@ class AutoRoundBackend(LlamaCppBackend):
             shutil.move(str(written[0]), target)
         finally:
             shutil.rmtree(export, ignore_errors=True)
+            rounder = model = None
+            let_go_of_the_model()
         return {
             "library": "auto-round",
             "scheme": scheme,

@@ -10,6 +10,7 @@ accelerator), so AWQ comes from GPTQModel; SmoothQuant lives in ``modifiers.tran
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from . import Format, QuantizeJob
@@ -41,6 +42,32 @@ NO_SMOOTHQUANT = {
     **dict.fromkeys(("gemma2", "gemma3", "gemma3_text"), _GEMMA),
     **dict.fromkeys(("olmo2", "olmo3"), _POST_NORM),
 }
+
+
+@contextlib.contextmanager
+def model_let_go_afterwards():
+    """Drop the two references llm-compressor 0.14 keeps to the model it compressed, so it is freed.
+
+    - Its global compression session holds the model in its state until the session is reset.
+    - Its sequential pipeline compiles each traced forward into a namespace that holds the model, and registers
+      functions of that namespace with ``torch.fx.wrap``. torch.fx keeps every namespace so registered in a
+      module-level table (``_wrapped_fns_to_patch``) for the life of the process. The entries this run added are
+      removed.
+
+    Measured on SmolLM2-135M (int8): 0.36 GB stayed resident after the stage, about the size of the model.
+    """
+    import torch.fx._symbolic_trace as symbolic_trace
+
+    wrapped = getattr(symbolic_trace, "_wrapped_fns_to_patch", {})
+    registered_before = set(wrapped)
+    try:
+        yield
+    finally:
+        from llmcompressor.core import reset_session
+
+        reset_session()
+        for key in set(wrapped) - registered_before:
+            del wrapped[key]
 
 
 class LLMCompressorBackend(HFFolderBackend):
@@ -106,14 +133,15 @@ class LLMCompressorBackend(HFFolderBackend):
             trust_remote_code=job.source.trust_remote_code,
         )
         tokenizer = AutoTokenizer.from_pretrained(job.source.path)
-        oneshot(
-            model=model,
-            dataset=dataset,
-            recipe=recipe,
-            max_seq_length=int(calibration.shape[1]),
-            num_calibration_samples=int(calibration.shape[0]),
-        )
-        model.save_pretrained(job.out, save_compressed=True)
+        with model_let_go_afterwards():
+            oneshot(
+                model=model,
+                dataset=dataset,
+                recipe=recipe,
+                max_seq_length=int(calibration.shape[1]),
+                num_calibration_samples=int(calibration.shape[0]),
+            )
+            model.save_pretrained(job.out, save_compressed=True)
         tokenizer.save_pretrained(job.out)
         drop_load_time_keys(job.out)
         facts = {
