@@ -89,7 +89,7 @@ class AutoRoundBackend(LlamaCppBackend):
             shutil.move(str(written[0]), target)
         finally:
             shutil.rmtree(export, ignore_errors=True)
-            rounder = model = None
+            rounder = model = None  # a failure's traceback keeps this frame alive while it is recorded
             let_go_of_the_model()
         return {
             "library": "auto-round",

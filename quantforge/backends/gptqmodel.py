@@ -194,6 +194,8 @@ class GPTQModelBackend(HFFolderBackend):
             model.quantize(samples, batch_size=1, backend=kernels, checkpoint=checkpoint)
             model.save(str(job.out))
         finally:
+            # On a failure the exception's traceback keeps this frame alive while the pipeline records it: drop
+            # the model here too, so a failed format does not carry it into the next one.
             model = None
             let_go_of_the_model()
         _drop_local_paths(job.out)
