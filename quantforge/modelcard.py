@@ -111,6 +111,8 @@ def _quantization_rows(card: dict, entry: dict, quant_config: dict) -> list[str]
             f"{facts['calibration_samples']} sequences x {facts.get('calibration_seqlen', '?')} tokens, "
             f"seed {calibration.get('seed', 0)} |"
         )
+        if facts.get("calibration_dtype"):
+            rows.append(f"| calibration arithmetic | {facts['calibration_dtype']} |")
     else:
         rows.append("| calibration | none (round-to-nearest from the weights alone) |")
     return rows

@@ -170,10 +170,16 @@ def make_plan(request: BuildRequest) -> Plan:
     group_size = values["group_size"]
     if str(group_size) != "auto" and not str(group_size).isdigit():
         raise QuantforgeError(f"--group-size must be a number or 'auto', not {group_size!r}")
+    from .device import QUANTIZE_DTYPES
+
+    if values["quantize_dtype"] not in QUANTIZE_DTYPES:
+        choices = ", ".join(QUANTIZE_DTYPES)
+        raise QuantforgeError(f"--quantize-dtype must be {choices}, not {values['quantize_dtype']!r}")
     quantize = {
         "group_size": "auto" if str(group_size) == "auto" else int(group_size),
         "act_order": bool(values["act_order"]),
         "layer_resume": bool(values["layer_resume"]),
+        "dtype": values["quantize_dtype"],
     }
     targets = Targets(**{**(recipe.targets if recipe else {}), **request.targets})
     problems = targets.problems(known_runtimes())
@@ -828,6 +834,7 @@ class Build:
             calibration=calibration,
             threads=self.plan.threads,
             device=self.plan.device,
+            dtype=self.resource_plan["quantize_dtype"]["dtype"],
             log=self.ui.log,
             checkpoint_dir=checkpoint_dir,
         )
@@ -991,6 +998,12 @@ def resource_plan(plan: Plan, facts: dict, host) -> dict:
         speed_tokens=(plan.speed["prompt_tokens"] + plan.speed["gen_tokens"]) * plan.speed["runs"] if plan.speed else 0,
         tasks=list(plan.tasks["names"]),
         device=plan.device,
+        quantize_dtype=plan.quantize["dtype"],
+        follows_dtype=frozenset(
+            c.key
+            for c in plan.choices
+            if c.format.name in c.backend.follows_quantize_dtype and not plan.quantize["layer_resume"]
+        ),
     )
     return make_resource_plan(ModelSize.from_facts(facts), inputs, host)
 

@@ -59,8 +59,6 @@ TIME_FACTORS = {
     # about 180 GFLOP/s a thread; on an AVX2-only host (88) it predicted 1.4-1.9x too long
     "evaluate/gguf-by-gemm": 2.6,
     "evaluate/torch": 2.5,  # dequantized per module, every window (estimate)
-    "quantize/gptq": 6.0,  # calibration forward passes plus per-layer solves (estimate)
-    "quantize/int8": 3.0,  # (estimate)
     "tasks": 1.8,
 }
 FIXED_SECONDS = {  # start-up work that does not grow with the model: imports, child processes, tokenizers
@@ -72,10 +70,30 @@ FIXED_SECONDS = {  # start-up work that does not grow with the model: imports, c
     "evaluate": 1.0,
     "intermediate/gguf-f16": 4.5,
     "quantize/gguf": 0.2,
-    "quantize/torch": 30.0,
     "speed": 8.0,
     "card": 2.0,
 }
+# The torch quantizers (GPTQModel's GPTQ and AWQ, llm-compressor's INT8), fitted with each backend's quantize()
+# on the tiny llama and SmolLM2-135M at two calibration sizes each, GPTQ on the 0.5B qwen2 too (docs/design.md):
+# seconds = start-up
+#   + a solve factor x the decoder layers' weights / this host's float32 GEMM rate (the per-layer solves walk every
+#     weight column by column: measured in proportion to the weights, not to the layers)
+#   + a token factor x calibration tokens x one token through the decoder layers at that rate (the embeddings and
+#     LM head take no part), times BF16_EMULATED_SLOWDOWN for a bf16 calibration on a CPU without bf16 instructions.
+QUANTIZE_START_SECONDS = {"gptq": 3.5, "awq": 10.0, "int8": 3.2}
+QUANTIZE_SOLVE_FACTORS = {"gptq": 6.3e4, "awq": 5.5e5, "int8": 5.2e4}
+QUANTIZE_TOKEN_FACTORS = {"gptq": 8.2, "awq": 184.0, "int8": 13.4}  # AWQ: a grid of 20 scales, each a forward pass
+# A calibration token's time in bf16 over float32 on a CPU without bf16 instructions, where torch emulates bf16
+# multiplies (GPTQModel's GPTQ on SmolLM2-135M, 2 threads; see device.quantizer_dtype).
+BF16_EMULATED_SLOWDOWN = 4.2
+# Resident bytes a weight during quantization, in bf16: the model (AWQ also its scaled copies); in float32 three
+# more: the model at 4 bytes and about one of the mapped bf16 checkpoint still resident (measured 5.0-5.1 bytes at
+# 135M and 0.5B). Plus what importing the library adds to the build process (GPTQModel: 0.71 GB on the tiny llama
+# against the 0.59 GB its model and the process explain).
+QUANTIZE_BYTES_PER_WEIGHT = {"gptq": 2.0, "awq": 4.5, "int8": 2.0}
+FLOAT32_EXTRA_BYTES_PER_WEIGHT = 3.0
+QUANTIZER_LIBRARIES_RSS = 0.12 * GB
+FLOAT32_MEMORY_MARGIN = 1.2  # the plan's memory goal: a float32 calibration is chosen only this far inside memory
 CONVERT_SECONDS_PER_GB = 10.8  # llama.cpp's converter: reads the checkpoint, writes F16 (fitted, as above)
 GGUF_QUANTIZE_PARAMETERS_PER_SECOND = 43e6  # llama_model_quantize from F16, per thread (fitted, as above)
 NARROW_WIDTH = 1024  # hidden size below which llama.cpp's evaluation slows in proportion (fitted, as above)
@@ -124,6 +142,7 @@ class HostSpeed:
     threads: int
     gpu_memory_free: int | None = None  # of the chosen CUDA device, when one was chosen
     ggml_gflops: float | None = None  # llama.cpp's Q8_0 multiply, all threads (measured when a GGUF is built)
+    cpu_bf16: bool | None = None  # whether the CPU has bf16 multiply instructions (device.cpu_multiplies_bf16)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -170,6 +189,7 @@ def gpu_memory_free(device: str) -> int | None:
 
 def measure_host(threads: int, device: str = "cpu", llamacpp: bool = False) -> HostSpeed:
     """This host's rates and free memory; llama.cpp's own rate only when the build runs llama.cpp (0.5 s)."""
+    from .device import cpu_multiplies_bf16
     from .ggml_rate import measure_ggml_gflops
 
     ggml = measure_ggml_gflops(threads) if llamacpp else None
@@ -179,6 +199,7 @@ def measure_host(threads: int, device: str = "cpu", llamacpp: bool = False) -> H
         threads,
         gpu_memory_free(device),
         round(ggml, 2) if ggml else None,
+        cpu_multiplies_bf16(),
     )
 
 
@@ -206,6 +227,8 @@ class PlanInputs:
     speed_tokens: int  # prompt + generated tokens per probe run, 0 when the probe is off
     tasks: list  # lm-eval task names
     device: str = "cpu"
+    quantize_dtype: str = "auto"  # the torch quantizers' arithmetic as asked (device.quantizer_dtype resolves it)
+    follows_dtype: frozenset = frozenset()  # formats whose backend calibrates in that arithmetic (the rest in bf16)
 
 
 def process_base_bytes(size: ModelSize) -> int:
@@ -244,6 +267,37 @@ def _resident_weights(size: ModelSize) -> int:
 PROBE_PROCESS_BYTES = 100 << 20  # python and numpy in the bandwidth probe's process, before its buffers
 
 
+def _quantize_held(size: ModelSize, calibration_tokens: int, method: str, dtype: str) -> int:
+    """A torch quantizer holds its library, the whole model, one layer's calibration activations and its Hessians."""
+    per_weight = QUANTIZE_BYTES_PER_WEIGHT[method] + (FLOAT32_EXTRA_BYTES_PER_WEIGHT if dtype == "float32" else 0)
+    activations = calibration_tokens * size.hidden_size * 4 * 4
+    hessians = 4 * size.intermediate_size**2 * 4
+    return int(QUANTIZER_LIBRARIES_RSS + per_weight * size.parameters) + activations + hessians
+
+
+def decoder_parameters(size: ModelSize) -> int:
+    """The weights of the decoder layers: what a calibration token passes through (no embeddings, no LM head)."""
+    tables = size.vocab_size * size.hidden_size * (1 if size.tie_word_embeddings else 2)
+    return max(size.parameters - tables, size.parameters // 10)
+
+
+def quantize_dtype(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> tuple[str, str]:
+    """The arithmetic of the formats that follow the build's choice: (dtype, why)."""
+    from .device import quantizer_dtype
+
+    float32_peak = process_base_bytes(size) + _quantize_held(size, inputs.calibration_tokens, "gptq", "float32")
+    # With room to spare: a float32 choice that runs out of memory costs more than the bf16 one it replaced.
+    fits = host.memory_available is None or FLOAT32_MEMORY_MARGIN * float32_peak <= host.memory_available
+    return quantizer_dtype(inputs.quantize_dtype, inputs.device, host.cpu_bf16, fits)
+
+
+def _torch_quantize_seconds(size: ModelSize, method: str, slowdown: float, gemm_gflops: float, tokens: int) -> float:
+    weights_seconds = decoder_parameters(size) / (gemm_gflops * 1e9)
+    solves = QUANTIZE_SOLVE_FACTORS[method] * weights_seconds
+    calibration = QUANTIZE_TOKEN_FACTORS[method] * slowdown * 2 * weights_seconds * tokens
+    return QUANTIZE_START_SECONDS[method] + solves + calibration
+
+
 def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> list[StagePlan]:
     """Every stage of the build in run order, with its predicted seconds, peak resident memory and disk."""
     from .runners import HEAD_ROWS
@@ -254,6 +308,8 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> list[St
     base = process_base_bytes(size)
     widened = min(size.hidden_size * size.intermediate_size * 4, 64 << 20)  # one module (or LM-head slice) widened
     on_gpu = inputs.device.startswith("cuda")
+    chosen_dtype, _ = quantize_dtype(size, inputs, host)
+    bf16_emulated = not on_gpu and host.cpu_bf16 is False  # torch emulates bf16 multiplies on this CPU
     stages = [
         StagePlan("fetch", FIXED_SECONDS["fetch"], int(FETCH_RSS), size.stored_bytes, note="download not timed"),
         StagePlan("tokens", FIXED_SECONDS["tokens"], base),
@@ -304,14 +360,16 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> list[St
                 StagePlan(evaluate_stage(key), seconds, base + artifact + _llama_window_bytes(size, inputs.context))
             )
         else:
-            method = "int8" if key == "int8" else "gptq"
+            method = next((m for m in ("int8", "awq") if key.startswith(m)), "gptq")
             calibration = max(inputs.calibration_tokens, 1)
-            seconds = FIXED_SECONDS["quantize/torch"] + TIME_FACTORS[f"quantize/{method}"] * flop_seconds * calibration
-            # The library holds the bf16 model, one layer's calibration activations and its Hessians.
-            held = size.bf16_bytes + calibration * size.hidden_size * 4 * 4 + 4 * size.intermediate_size**2 * 4
-            plan = StagePlan(quantize_stage(key), seconds, base + held, artifact)
-            if on_gpu:
-                plan.vram_bytes, plan.peak_rss_bytes = held, base + size.bf16_bytes
+            dtype = chosen_dtype if key in inputs.follows_dtype else "bfloat16"
+            slowdown = BF16_EMULATED_SLOWDOWN if dtype == "bfloat16" and bf16_emulated else 1.0
+            seconds = _torch_quantize_seconds(size, method, slowdown, host.gemm_gflops, calibration)
+            held = _quantize_held(size, calibration, method, dtype)
+            plan = StagePlan(quantize_stage(key), seconds, base + held, artifact, note=f"{dtype} arithmetic")
+            if on_gpu:  # the model on the GPU; host memory holds the libraries and the loaded checkpoint
+                plan.vram_bytes = held - int(QUANTIZER_LIBRARIES_RSS)
+                plan.peak_rss_bytes = base + int(QUANTIZER_LIBRARIES_RSS) + size.bf16_bytes
             stages.append(plan)
             # Packed weights, plus the unquantized embedding table (and LM head, when untied) in 16 bits.
             unquantized = size.vocab_size * size.hidden_size * 2 * (1 if size.tie_word_embeddings else 2)
@@ -383,10 +441,12 @@ def check_plan(plan: dict, run_dir: Path, done: set[str] = frozenset()) -> None:
 
 def make_resource_plan(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> dict:
     stages = plan_stages(size, inputs, host)
+    dtype, why = quantize_dtype(size, inputs, host)
     return {
         "model": asdict(size),
         "host": host.to_json(),
         "device": inputs.device,
+        "quantize_dtype": {"dtype": dtype, "why": why},
         "stages": [s.to_json() for s in stages],
         "total": summarize(stages, size),
     }

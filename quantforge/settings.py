@@ -69,6 +69,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("layer_resume", "flag", False, "--layer-resume",
             "Let GPTQModel resume a killed quantization at the layer where it stopped (llama models); faster, but "
             "the bytes then differ from an uninterrupted run.", "quantize.layer_resume"),
+    Setting("quantize_dtype", "str", "auto", "--quantize-dtype",
+            "Arithmetic of GPTQModel's GPTQ: bfloat16, float32, or 'auto' (default): float32 on a CPU without bf16 "
+            "instructions when it fits in memory, else bfloat16. Unquantized tensors are saved in bf16 either way.",
+            "quantize.dtype"),
     Setting("allow_pickle", "flag", False, "--allow-pickle",
             "Allow pickle (.bin) weights, which can run code when loaded.", None),
     Setting("trust_remote_code", "flag", False, "--trust-remote-code",

@@ -216,6 +216,7 @@ def test_model_cards_and_deployment_files(mixed_run, vllm_source):
             assert f"{entry['quantize']['calibration_samples']} sequences x 128 tokens" in readme
             if entry["key"].startswith("gptq"):
                 assert f"| group size | {quant['group_size']} |" in readme and "| act-order (desc_act) | no |" in readme
+                assert f"| calibration arithmetic | {entry['quantize']['calibration_dtype']} |" in readme
 
 
 def _go_render(template: str, messages: list[dict]) -> str:

@@ -187,3 +187,63 @@ def test_a_gpu_too_small_is_refused_with_the_numbers(tmp_path):
     roomy = HostSpeed(gemm_gflops=50.0, memory_available=int(64 * GB), threads=2, gpu_memory_free=int(141 * GB))
     check_plan(make_resource_plan(QWEN_7B, _inputs((("gptq-int4", "hf", 4.0),), "cuda:0", 128 * 512), roomy),
                tmp_path)  # fmt: skip
+
+
+def test_gptq_calibrates_in_float32_on_a_cpu_without_bf16_when_it_fits():
+    """bf16 multiplies are emulated on such a CPU (about 4x slower a calibration token): float32 when the model fits
+    at 4 bytes a weight, bf16 when it does not; AWQ stays in bf16 (GPTQModel packs it only from 16 bits)."""
+    from dataclasses import replace
+
+    from quantforge.resources import quantize_dtype
+
+    formats = (("gptq-int4", "hf", 4.0), ("awq", "hf", 4.25))
+
+    def plan(host: HostSpeed, asked: str = "auto") -> dict:
+        inputs = replace(
+            _inputs(formats, "cpu", 128 * 512), quantize_dtype=asked, follows_dtype=frozenset({"gptq-int4"})
+        )
+        return make_resource_plan(QWEN_7B, inputs, host)
+
+    no_bf16 = replace(HOST, memory_available=int(64 * GB), cpu_bf16=False)
+    roomy = plan(no_bf16)
+    assert roomy["quantize_dtype"]["dtype"] == "float32"
+    gptq, awq = _stage(roomy, "quantize/gptq-int4"), _stage(roomy, "quantize/awq")
+    assert gptq["note"] == "float32 arithmetic" and awq["note"] == "bfloat16 arithmetic"
+    asked_bf16 = plan(no_bf16, "bfloat16")
+    assert asked_bf16["quantize_dtype"] == {"dtype": "bfloat16", "why": "asked for"}
+    gptq_bf16 = _stage(asked_bf16, "quantize/gptq-int4")
+    assert gptq_bf16["seconds"] > 3 * gptq["seconds"]
+    # float32 weights, and the mapped bf16 checkpoint partly resident beside them
+    assert gptq["peak_rss_bytes"] - gptq_bf16["peak_rss_bytes"] == pytest.approx(3 * QWEN_7B.parameters, rel=0.01)
+    # 32 GB holds GPTQ of the 7B model in bf16 (15 GB of weights) but not in float32 (30 GB): bf16, and it fits.
+    tight = plan(replace(no_bf16, memory_available=int(32 * GB)))
+    assert tight["quantize_dtype"]["dtype"] == "bfloat16" and "not fit" in tight["quantize_dtype"]["why"]
+    assert _stage(tight, "quantize/gptq-int4")["peak_rss_bytes"] < 32 * GB
+    # A CPU with bf16 instructions and a GPU keep bf16, at the float32 rate of a token.
+    native = plan(replace(no_bf16, cpu_bf16=True))
+    assert native["quantize_dtype"]["dtype"] == "bfloat16"
+    assert _stage(native, "quantize/gptq-int4")["seconds"] == pytest.approx(gptq["seconds"])
+    cuda_inputs = replace(_inputs(formats, "cuda:0", 128 * 512), follows_dtype=frozenset({"gptq-int4"}))
+    assert quantize_dtype(QWEN_7B, cuda_inputs, no_bf16)[0] == "bfloat16"
+
+
+def test_cpu_bf16_instructions_are_read_from_the_cpu_flags(tmp_path):
+    from quantforge.device import cpu_multiplies_bf16
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n")
+    assert cpu_multiplies_bf16(cpuinfo) is False
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n")
+    assert cpu_multiplies_bf16(cpuinfo) is True
+    assert cpu_multiplies_bf16(tmp_path / "absent") is None
+
+
+def test_a_quantize_dtype_that_is_not_one_of_the_three_is_one_line(tiny_llama, tmp_path):
+    out = tmp_path / "run"
+    result = quantforge_cli("build", str(tiny_llama), "--formats", "gptq-int4", "--quantize-dtype", "fp8", "--out",
+                            str(out))  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: --quantize-dtype must be auto, bfloat16, float32, not 'fp8'"
+    )
+    assert not out.exists()

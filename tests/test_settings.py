@@ -36,6 +36,7 @@ SAMPLE = {
     "group_size": "auto",
     "act_order": True,
     "layer_resume": True,
+    "quantize_dtype": "float32",
     "allow_pickle": True,
     "trust_remote_code": True,
     "device": "cpu",

@@ -292,3 +292,38 @@ def test_the_quantizer_lets_go_of_the_model_once_it_is_saved(tiny_llama, tmp_pat
     alive, saved = result.stdout.split()[-2:]
     assert saved == "True"
     assert alive == "0"
+
+
+def _layout(folder: Path) -> dict:
+    with safe_open(folder / "model.safetensors", framework="pt") as handle:
+        return {
+            name: (handle.get_slice(name).get_dtype(), handle.get_slice(name).get_shape()) for name in handle.keys()
+        }
+
+
+def test_gptq_calibrated_in_float32_writes_the_bf16_layout_and_is_as_close(torch_run, tiny_llama, tmp_path):
+    """On a CPU without bf16 instructions GPTQ calibrates in float32 (torch emulates bf16 multiplies there, about 4x
+    slower a calibration token). Its artifact must be the one a bf16 calibration writes, tensor for tensor, and as
+    close to the original weights."""
+    from safetensors.torch import load_file
+
+    from quantforge.device import cpu_multiplies_bf16
+
+    out = tmp_path / "run"
+    result = quantforge_cli("build", str(tiny_llama), "--formats", "gptq-int4", "--quantize-dtype", "bfloat16",
+                            "--out", str(out), *FAST_EVAL, *CALIBRATION)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = {"auto": torch_run, "bfloat16": out}
+    facts = {name: read_json(run / "run.json")["stages"]["quantize/gptq-int4"]["result"] for name, run in runs.items()}
+    assert facts["bfloat16"]["calibration_dtype"] == "bfloat16"
+    assert facts["auto"]["calibration_dtype"] == ("float32" if cpu_multiplies_bf16() is False else "bfloat16")
+    folders = {name: run / "artifacts" / "gptq-int4" for name, run in runs.items()}
+    assert _layout(folders["auto"]) == _layout(folders["bfloat16"])
+    assert read_json(folders["auto"] / "config.json")["dtype"] == "bfloat16"
+    original = load_file(tiny_llama / "model.safetensors")
+    errors = {}
+    for name, folder in folders.items():
+        _, state = dequantized_state_dict(folder)
+        pairs = [(state[key].float(), original[key].float()) for key in state if key.endswith("proj.weight")]
+        errors[name] = sum(float((mine - theirs).norm() / theirs.norm()) for mine, theirs in pairs) / len(pairs)
+    assert errors["auto"] <= 1.02 * errors["bfloat16"], errors

@@ -72,6 +72,7 @@ class QuantizeJob:
     checkpoint_dir: Path | None = None  # survives a killed run, for libraries that resume layer by layer
     threads: int = 2
     device: str = "cpu"  # where torch quantizers run: cpu or cuda:N (device.resolve_device)
+    dtype: str = "bfloat16"  # the torch quantizers' arithmetic (device.quantizer_dtype); bf16 is always saved
     log: Callable[[str], None] = print
 
 
@@ -112,6 +113,9 @@ class Backend(abc.ABC):
     alternative_for: ClassVar[frozenset[str]] = frozenset()
     # Whether quantize() reads the run's calibration set (job.calibration).
     needs_calibration: ClassVar[bool] = False
+    # Formats whose calibration runs in the build's chosen arithmetic (job.dtype, see device.quantizer_dtype);
+    # the others run in the dtype their library needs.
+    follows_quantize_dtype: ClassVar[frozenset[str]] = frozenset()
     # A regex with groups (done, total) for the library's progress lines in its log, shown as our progress bar.
     progress_pattern: ClassVar[str | None] = None
     # The importable module of the library that loads this backend's artifacts for evaluation (named, with its

@@ -25,6 +25,7 @@ from .hf import (
     load_calibration,
     move_logs,
     set_threads,
+    unquantized_back_to_bf16,
     vllm_target,
 )
 
@@ -117,6 +118,8 @@ class GPTQModelBackend(HFFolderBackend):
     requires = ("gptqmodel", "optimum")
     extra = "gptq"
     progress_pattern = r"Quantizing layer (\d+) of (\d+)"  # 0-based index of the layer, index of the last one
+    # GPTQ in float32 where that is faster (device.quantizer_dtype); GPTQModel packs AWQ only from 16 bits.
+    follows_quantize_dtype = frozenset({"gptq-int4", "gptq-int8"})
 
     def unsupported(self, source, fmt) -> str | None:
         # Their bug, not our call (found on Gemma 3): GPTQModel 7.6's config normalization
@@ -173,12 +176,16 @@ class GPTQModelBackend(HFFolderBackend):
             }
             for row in calibration
         ]
+        # bf16 when --layer-resume is asked (as the plan assumes): parameters in GPTQModel's disk offload cannot be
+        # cast back before saving.
+        follows = job.format.name in self.follows_quantize_dtype and not job.settings.get("layer_resume")
+        dtype = job.dtype if follows else "bfloat16"
         torch.manual_seed(0)
         try:
             model = GPTQModel.load(
                 str(job.source.path),
                 config,
-                dtype=torch.bfloat16,
+                dtype=getattr(torch, dtype),
                 device=job.device,
                 trust_remote_code=job.source.trust_remote_code,
             )
@@ -192,6 +199,7 @@ class GPTQModelBackend(HFFolderBackend):
             # The torch kernels on CPU (the only ones there); on a GPU GPTQModel picks its own.
             kernels = BACKEND.TORCH if job.device == "cpu" else BACKEND.AUTO
             model.quantize(samples, batch_size=1, backend=kernels, checkpoint=checkpoint)
+            unquantized_back_to_bf16(model.model)
             model.save(str(job.out))
         finally:
             # On a failure the exception's traceback keeps this frame alive while the pipeline records it: drop
@@ -207,6 +215,7 @@ class GPTQModelBackend(HFFolderBackend):
             "group_size": group_size,
             "calibration_samples": int(calibration.shape[0]),
             "calibration_seqlen": int(calibration.shape[1]),
+            "calibration_dtype": dtype,
         }
         if job.format.name != "awq":
             facts["act_order"] = act_order

@@ -72,6 +72,18 @@ def set_threads(threads: int) -> None:
     torch.set_num_threads(max(1, threads))
 
 
+def unquantized_back_to_bf16(model) -> None:
+    """After a float32 calibration: the parameters it left unquantized (embeddings, norms, LM head, biases) back to
+    bf16, as a bf16 calibration saves them, so that the artifact's layout and size do not depend on the arithmetic.
+    The quantized weights are integer buffers with 16-bit scales either way."""
+    import torch
+
+    for param in model.parameters():
+        if param.dtype == torch.float32:
+            param.data = param.data.to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+
+
 def load_calibration(path: Path | None) -> np.ndarray:
     if path is None:
         raise QuantforgeError("this format needs a calibration set, and none was prepared")
