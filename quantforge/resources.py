@@ -88,11 +88,15 @@ QUANTIZE_TOKEN_FACTORS = {"gptq": 8.2, "awq": 184.0, "int8": 13.4}  # AWQ: a gri
 BF16_EMULATED_SLOWDOWN = 4.2
 # Resident bytes a weight during quantization, in bf16: the model (AWQ also its scaled copies); in float32 three
 # more: the model at 4 bytes and about one of the mapped bf16 checkpoint still resident (measured 5.0-5.1 bytes at
-# 135M and 0.5B). Plus what importing the library adds to the build process (GPTQModel: 0.71 GB on the tiny llama
-# against the 0.59 GB its model and the process explain).
+# 135M and 0.5B). Plus what importing the library adds to the build process, measured after transformers:
+# gptqmodel 0.18 GB (GPTQ and AWQ), llmcompressor 0.12 GB (INT8).
 QUANTIZE_BYTES_PER_WEIGHT = {"gptq": 2.0, "awq": 4.5, "int8": 2.0}
 FLOAT32_EXTRA_BYTES_PER_WEIGHT = 3.0
-QUANTIZER_LIBRARIES_RSS = 0.12 * GB
+QUANTIZER_LIBRARY = {
+    "gptq": ("gptqmodel", 0.18 * GB),
+    "awq": ("gptqmodel", 0.18 * GB),
+    "int8": ("llmcompressor", 0.12 * GB),
+}
 FLOAT32_MEMORY_MARGIN = 1.2  # the plan's memory goal: a float32 calibration is chosen only this far inside memory
 CONVERT_SECONDS_PER_GB = 10.8  # llama.cpp's converter: reads the checkpoint, writes F16 (fitted, as above)
 GGUF_QUANTIZE_PARAMETERS_PER_SECOND = 43e6  # llama_model_quantize from F16, per thread (fitted, as above)
@@ -272,7 +276,7 @@ def _quantize_held(size: ModelSize, calibration_tokens: int, method: str, dtype:
     per_weight = QUANTIZE_BYTES_PER_WEIGHT[method] + (FLOAT32_EXTRA_BYTES_PER_WEIGHT if dtype == "float32" else 0)
     activations = calibration_tokens * size.hidden_size * 4 * 4
     hessians = 4 * size.intermediate_size**2 * 4
-    return int(QUANTIZER_LIBRARIES_RSS + per_weight * size.parameters) + activations + hessians
+    return int(QUANTIZER_LIBRARY[method][1] + per_weight * size.parameters) + activations + hessians
 
 
 def decoder_parameters(size: ModelSize) -> int:
@@ -341,6 +345,7 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> list[St
         peak = max(base, int(CONVERTER_RSS + CONVERTER_RESIDENT_SHARE * size.stored_bytes))
         stages.append(StagePlan(intermediate_stage("gguf-f16"), seconds, peak, size.bf16_bytes, note="child process"))
     bits_of = {key: bits for key, _, bits in inputs.formats}
+    imported: dict[str, int] = {}  # quantizer libraries imported by earlier stages -> their resident bytes
     for key, family, bits in inputs.formats:
         artifact = int(size.parameters * bits / 8)
         if family == "gguf":
@@ -367,10 +372,14 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> list[St
             seconds = _torch_quantize_seconds(size, method, slowdown, host.gemm_gflops, calibration)
             held = _quantize_held(size, calibration, method, dtype)
             plan = StagePlan(quantize_stage(key), seconds, base + held, artifact, note=f"{dtype} arithmetic")
+            library, library_bytes = QUANTIZER_LIBRARY[method]
             if on_gpu:  # the model on the GPU; host memory holds the libraries and the loaded checkpoint
-                plan.vram_bytes = held - int(QUANTIZER_LIBRARIES_RSS)
-                plan.peak_rss_bytes = base + int(QUANTIZER_LIBRARIES_RSS) + size.bf16_bytes
+                plan.vram_bytes = held - int(library_bytes)
+                plan.peak_rss_bytes = base + int(library_bytes) + size.bf16_bytes
             stages.append(plan)
+            # The quantizer's library stays imported in the build process for every later stage.
+            imported[library] = int(library_bytes)
+            base = process_base_bytes(size) + sum(imported.values())
             # Packed weights, plus the unquantized embedding table (and LM head, when untied) in 16 bits.
             unquantized = size.vocab_size * size.hidden_size * 2 * (1 if size.tie_word_embeddings else 2)
             stages.append(
@@ -382,7 +391,7 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> list[St
         for key in [REFERENCE, *bits_of]:
             seconds = FIXED_SECONDS["speed"] + 3 * flop_seconds * inputs.speed_tokens
             held = size.stored_bytes if key == REFERENCE else int(bits_of[key] * size.parameters / 8)
-            stages.append(StagePlan(speed_stage(key), seconds, base + held, note="child process"))
+            stages.append(StagePlan(speed_stage(key), seconds, process_base_bytes(size) + held, note="child process"))
     stages.append(StagePlan("card", FIXED_SECONDS["card"], base))
     return stages
 

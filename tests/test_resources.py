@@ -223,6 +223,9 @@ def test_gptq_calibrates_in_float32_on_a_cpu_without_bf16_when_it_fits():
     native = plan(replace(no_bf16, cpu_bf16=True))
     assert native["quantize_dtype"]["dtype"] == "bfloat16"
     assert _stage(native, "quantize/gptq-int4")["seconds"] == pytest.approx(gptq["seconds"])
+    # GPTQModel stays imported in the build process after its first stage: counted once for GPTQ and AWQ.
+    gguf_only = make_resource_plan(QWEN_7B, _inputs(), HOST)
+    assert _stage(roomy, "card")["peak_rss_bytes"] - _stage(gguf_only, "card")["peak_rss_bytes"] == int(0.18 * GB)
     cuda_inputs = replace(_inputs(formats, "cuda:0", 128 * 512), follows_dtype=frozenset({"gptq-int4"}))
     assert quantize_dtype(QWEN_7B, cuda_inputs, no_bf16)[0] == "bfloat16"
 
