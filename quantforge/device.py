@@ -77,9 +77,10 @@ def quantizer_dtype(requested: str, device: str, cpu_bf16: bool | None, float32_
     stay in bf16 too: cast back to bf16 before saving, 0.66% of its int8 weights rounded to a neighbouring integer
     (SmolLM2-135M), where GPTQModel saves the integers it computed.
 
-    ``auto`` is bfloat16 on a GPU and on a CPU with bf16 instructions. On a CPU without them float32 when the model
-    fits in memory at 4 bytes a weight: GPTQ's calibration passes there ran 4.3x faster a token (SmolLM2-135M, 2
-    threads). The tensors left unquantized are saved in bf16 either way, so the artifact's layout does not change.
+    ``auto`` is bfloat16 on a GPU and on a CPU with bf16 instructions. On a CPU without them float32 when the
+    resource plan's float32 peak fits in free memory (``float32_fits``): GPTQ's calibration there ran 4.2x faster
+    a token (SmolLM2-135M, 2 threads). The tensors left unquantized are saved in bf16 either way, so the
+    artifact's layout does not change.
     """
     if requested != "auto":
         return requested, "asked for"
