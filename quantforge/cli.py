@@ -238,8 +238,8 @@ def _print_resource_plan(request, as_json: bool) -> None:
             + (f"{available / 1e9:.1f} GB available" if available else "memory unknown")
             + f", device {plan['device']}"
         )
-        if any("arithmetic" in stage["note"] for stage in plan["stages"]):
-            chosen = plan["quantize_dtype"]
+        chosen = plan["quantize_dtype"]
+        if chosen["formats"]:
             click.echo(f"GPTQ calibration arithmetic: {chosen['dtype']} ({chosen['why']})")
     if not plan["fits"]:
         raise QuantforgeError(plan["refusal"])

@@ -834,7 +834,7 @@ class Build:
             calibration=calibration,
             threads=self.plan.threads,
             device=self.plan.device,
-            dtype=self.resource_plan["quantize_dtype"]["dtype"],
+            dtype=calibration_dtype(self.resource_plan, choice.key),
             log=self.ui.log,
             checkpoint_dir=checkpoint_dir,
         )
@@ -986,6 +986,13 @@ def runs_llamacpp(plan: Plan) -> bool:
     return any(c.format.family == "gguf" for c in plan.choices)
 
 
+def calibration_dtype(planned: dict, key: str) -> str:
+    """The arithmetic the resource plan chose for this format's calibration: its choice for the formats that follow
+    it, bf16 for the rest."""
+    chosen = planned["quantize_dtype"]
+    return chosen["dtype"] if key in chosen["formats"] else "bfloat16"
+
+
 def resource_plan(plan: Plan, facts: dict, host) -> dict:
     """The resource plan (see resources.py) of this build for a model of the given size facts on ``host``."""
     from .resources import ModelSize, PlanInputs, make_resource_plan
@@ -999,6 +1006,7 @@ def resource_plan(plan: Plan, facts: dict, host) -> dict:
         tasks=list(plan.tasks["names"]),
         device=plan.device,
         quantize_dtype=plan.quantize["dtype"],
+        # not under --layer-resume: parameters in GPTQModel's disk offload cannot be cast back to bf16 before saving
         follows_dtype=frozenset(
             c.key
             for c in plan.choices

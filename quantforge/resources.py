@@ -302,8 +302,9 @@ def _torch_quantize_seconds(size: ModelSize, method: str, slowdown: float, gemm_
     return QUANTIZE_START_SECONDS[method] + solves + calibration
 
 
-def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> list[StagePlan]:
-    """Every stage of the build in run order, with its predicted seconds, peak resident memory and disk."""
+def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dtype: str) -> list[StagePlan]:
+    """Every stage of the build in run order, with its predicted seconds, peak resident memory and disk; the formats
+    in ``inputs.follows_dtype`` calibrate in ``chosen_dtype`` (quantize_dtype)."""
     from .runners import HEAD_ROWS
 
     flop_seconds = 2 * size.parameters / (host.gemm_gflops * 1e9)  # one token through the model at GEMM speed
@@ -312,7 +313,6 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> list[St
     base = process_base_bytes(size)
     widened = min(size.hidden_size * size.intermediate_size * 4, 64 << 20)  # one module (or LM-head slice) widened
     on_gpu = inputs.device.startswith("cuda")
-    chosen_dtype, _ = quantize_dtype(size, inputs, host)
     bf16_emulated = not on_gpu and host.cpu_bf16 is False  # torch emulates bf16 multiplies on this CPU
     stages = [
         StagePlan("fetch", FIXED_SECONDS["fetch"], int(FETCH_RSS), size.stored_bytes, note="download not timed"),
@@ -449,13 +449,14 @@ def check_plan(plan: dict, run_dir: Path, done: set[str] = frozenset()) -> None:
 
 
 def make_resource_plan(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> dict:
-    stages = plan_stages(size, inputs, host)
     dtype, why = quantize_dtype(size, inputs, host)
+    stages = plan_stages(size, inputs, host, dtype)
     return {
         "model": asdict(size),
         "host": host.to_json(),
         "device": inputs.device,
-        "quantize_dtype": {"dtype": dtype, "why": why},
+        # the formats that calibrate in it (the others in bf16): the build hands it to their quantizers
+        "quantize_dtype": {"dtype": dtype, "why": why, "formats": sorted(inputs.follows_dtype)},
         "stages": [s.to_json() for s in stages],
         "total": summarize(stages, size),
     }

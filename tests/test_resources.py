@@ -210,7 +210,7 @@ def test_gptq_calibrates_in_float32_on_a_cpu_without_bf16_when_it_fits():
     gptq, awq = _stage(roomy, "quantize/gptq-int4"), _stage(roomy, "quantize/awq")
     assert gptq["note"] == "float32 arithmetic" and awq["note"] == "bfloat16 arithmetic"
     asked_bf16 = plan(no_bf16, "bfloat16")
-    assert asked_bf16["quantize_dtype"] == {"dtype": "bfloat16", "why": "asked for"}
+    assert asked_bf16["quantize_dtype"] == {"dtype": "bfloat16", "why": "asked for", "formats": ["gptq-int4"]}
     gptq_bf16 = _stage(asked_bf16, "quantize/gptq-int4")
     assert gptq_bf16["seconds"] > 3 * gptq["seconds"]
     # float32 weights, and the mapped bf16 checkpoint partly resident beside them

@@ -72,7 +72,7 @@ class QuantizeJob:
     checkpoint_dir: Path | None = None  # survives a killed run, for libraries that resume layer by layer
     threads: int = 2
     device: str = "cpu"  # where torch quantizers run: cpu or cuda:N (device.resolve_device)
-    dtype: str = "bfloat16"  # the torch quantizers' arithmetic (device.quantizer_dtype); bf16 is always saved
+    dtype: str = "bfloat16"  # this format's calibration arithmetic (pipeline.calibration_dtype); bf16 is saved
     log: Callable[[str], None] = print
 
 

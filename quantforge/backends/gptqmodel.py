@@ -176,10 +176,7 @@ class GPTQModelBackend(HFFolderBackend):
             }
             for row in calibration
         ]
-        # bf16 when --layer-resume is asked (as the plan assumes): parameters in GPTQModel's disk offload cannot be
-        # cast back before saving.
-        follows = job.format.name in self.follows_quantize_dtype and not job.settings.get("layer_resume")
-        dtype = job.dtype if follows else "bfloat16"
+        dtype = job.dtype  # the plan's choice for GPTQ (pipeline.calibration_dtype); bf16 for AWQ
         torch.manual_seed(0)
         try:
             model = GPTQModel.load(
