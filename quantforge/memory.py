@@ -2,7 +2,8 @@
 
 Linux keeps a process's high-water mark (``VmHWM``) and lets the process reset it (``/proc/self/clear_refs``), so a
 stage's peak is read exactly and for free. Child processes (llama.cpp's converter, the speed probe) report theirs
-through ``getrusage``: the largest child so far, so a stage's child peak is known when it raised that mark.
+through ``getrusage``: the largest child so far, so a stage's child peak is known when it raised that mark. A
+quantizer's child reports its own high-water mark when it ends (``note_child_peak``).
 Elsewhere (macOS, a kernel without clear_refs) the figures are None and nothing else changes.
 """
 
@@ -46,6 +47,7 @@ class StagePeak:
         self.resettable = _reset_high_water()
         self.seen: int | None = None
         self.children_before = _children_peak_bytes()
+        self.child_noted: int | None = None  # a child's own peak, given by whoever waited for it
         _active.append(self)
         return self
 
@@ -55,9 +57,22 @@ class StagePeak:
         self.peak_rss_bytes = max(self.seen or 0, current or 0) or None
         after = _children_peak_bytes()
         self.child_peak_rss_bytes = after if after > self.children_before else None
+        if self.child_noted:  # exact, where getrusage's may be the parent's own size copied at the fork
+            self.child_peak_rss_bytes = self.child_noted
 
     def to_json(self) -> dict:
-        return {"peak_rss_bytes": self.peak_rss_bytes, "child_peak_rss_bytes": self.child_peak_rss_bytes}
+        figures = {"peak_rss_bytes": self.peak_rss_bytes, "child_peak_rss_bytes": self.child_peak_rss_bytes}
+        if self.child_noted and self.peak_rss_bytes:
+            # The stage's work ran in a child while this process waited beside it: the host held both.
+            figures["host_peak_rss_bytes"] = self.peak_rss_bytes + self.child_noted
+        return figures
+
+
+def note_child_peak(peak_bytes: int) -> None:
+    """Tell the running stages the peak of a child they waited for, as the child read it (``getrusage`` gives only
+    the largest child so far, which may be an earlier stage's, and counts the parent's size at the fork)."""
+    for stage in _active:
+        stage.child_noted = max(stage.child_noted or 0, peak_bytes)
 
 
 def release_freed_memory() -> None:

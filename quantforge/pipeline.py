@@ -37,6 +37,7 @@ from .fsutil import atomic_output, atomic_write_json, remove_path
 from .logs import capture_output, follow_progress
 from .manifest import Manifest, RunLock, clean_partials, run_stage
 from .memory import import_transformers_slim
+from .quantize_process import quantize_in_child
 from .recipes import Recipe, find_recipe, known_recipes, load_recipe
 from .rundir import (
     CALIBRATION,
@@ -839,6 +840,14 @@ class Build:
             checkpoint_dir=checkpoint_dir,
         )
 
+    def job_intermediates(self, choice: Choice) -> dict[str, Path]:
+        """The shared files ``choice``'s quantizer may ask for (and those they were made from), as recorded."""
+        shared = choice.backend.intermediates(choice.format)
+        names = {*shared, *(need for made in shared.values() for need in made.needs)}
+        return {
+            name: self.recorded_intermediate(name) for name in names if self.manifest.stage(intermediate_stage(name))
+        }
+
     def recorded_intermediate(self, name: str) -> Path:
         record = self.manifest.stage(intermediate_stage(name))
         if not record:
@@ -865,7 +874,7 @@ class Build:
                     follow_progress(log, choice.backend.progress_pattern, lambda done, total: advance(done, total + 1)),
                 ):
                     with interrupts_kept():
-                        facts = choice.backend.quantize(job)
+                        facts = quantize_in_child(job, choice.backend.name, self.job_intermediates(choice), log)
             remove_path(checkpoint_dir)  # only a finished artifact makes the layer checkpoints obsolete
             return {**facts, **measure(choice.backend.artifact_file(artifact_dir), parameters)}
 

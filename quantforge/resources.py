@@ -88,7 +88,7 @@ QUANTIZE_TOKEN_FACTORS = {"gptq": 8.2, "awq": 184.0, "int8": 13.4}  # AWQ: a gri
 BF16_EMULATED_SLOWDOWN = 4.2
 # Resident bytes a weight during quantization, in bf16: the model (AWQ also its scaled copies); in float32 three
 # more: the model at 4 bytes and about one of the mapped bf16 checkpoint still resident (measured 5.0-5.1 bytes at
-# 135M and 0.5B). Plus what importing the library adds to the build process, measured after transformers:
+# 135M and 0.5B). Plus what importing the library adds to a process that has imported transformers:
 # gptqmodel 0.18 GB (GPTQ and AWQ), llmcompressor 0.12 GB (INT8).
 QUANTIZE_BYTES_PER_WEIGHT = {"gptq": 2.0, "awq": 4.5, "int8": 2.0}
 FLOAT32_EXTRA_BYTES_PER_WEIGHT = 3.0
@@ -97,6 +97,13 @@ QUANTIZER_LIBRARY = {
     "awq": ("gptqmodel", 0.18 * GB),
     "int8": ("llmcompressor", 0.12 * GB),
 }
+# Each format's quantizer runs in a child process (quantize_process) while the build process waits beside it
+# holding its libraries and tokenizer: the host holds both. llama.cpp's quantizer child is Python, numpy and
+# llama-cpp-python's libraries before the file it maps (measured: 0.15 GB with a 30 MB tiny model's F16 mapped).
+GGUF_QUANTIZE_PROCESS_BYTES = 0.12 * GB
+# What a torch quantizer's child spends before its backend's quantize() starts: Python, quantforge and the slim
+# transformers import (measured 4.8 s here; QUANTIZE_START_SECONDS, fitted on quantize() alone, has the rest).
+TORCH_QUANTIZER_PROCESS_SECONDS = 4.8
 FLOAT32_MEMORY_MARGIN = 1.2  # the plan's memory goal: a float32 calibration is chosen only this far inside memory
 CONVERT_SECONDS_PER_GB = 10.8  # llama.cpp's converter: reads the checkpoint, writes F16 (fitted, as above)
 GGUF_QUANTIZE_PARAMETERS_PER_SECOND = 43e6  # llama_model_quantize from F16, per thread (fitted, as above)
@@ -215,6 +222,7 @@ class StagePlan:
     disk_bytes: int = 0
     vram_bytes: int = 0
     note: str = ""
+    child_rss_bytes: int = 0  # of a stage run in a child process beside the build's: the child's own peak
 
     def to_json(self) -> dict:
         return {k: (round(v, 1) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -289,7 +297,8 @@ def quantize_dtype(size: ModelSize, inputs: PlanInputs, host: HostSpeed) -> tupl
     """The arithmetic of the formats that follow the build's choice: (dtype, why)."""
     from .device import quantizer_dtype
 
-    float32_peak = process_base_bytes(size) + _quantize_held(size, inputs.calibration_tokens, "gptq", "float32")
+    child = process_base_bytes(size) + _quantize_held(size, inputs.calibration_tokens, "gptq", "float32")
+    float32_peak = process_base_bytes(size) + child  # the build process waits beside the quantizer's
     # With room to spare: a float32 choice that runs out of memory costs more than the bf16 one it replaced.
     fits = host.memory_available is None or FLOAT32_MEMORY_MARGIN * float32_peak <= host.memory_available
     return quantizer_dtype(inputs.quantize_dtype, inputs.device, host.cpu_bf16, fits)
@@ -345,15 +354,16 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
         peak = max(base, int(CONVERTER_RSS + CONVERTER_RESIDENT_SHARE * size.stored_bytes))
         stages.append(StagePlan(intermediate_stage("gguf-f16"), seconds, peak, size.bf16_bytes, note="child process"))
     bits_of = {key: bits for key, _, bits in inputs.formats}
-    imported: dict[str, int] = {}  # quantizer libraries imported by earlier stages -> their resident bytes
     for key, family, bits in inputs.formats:
         artifact = int(size.parameters * bits / 8)
         if family == "gguf":
             seconds = FIXED_SECONDS["quantize/gguf"] + size.parameters / (
                 GGUF_QUANTIZE_PARAMETERS_PER_SECOND * max(1, host.threads)
             )
-            # llama.cpp maps the F16 file and streams through it (measured: 0.75 of it resident at the peak).
-            stages.append(StagePlan(quantize_stage(key), seconds, int(base + 0.75 * size.bf16_bytes), artifact))
+            # llama.cpp maps the F16 file and streams through it (measured: 0.75 of it resident at the peak), in a
+            # child process beside the build's.
+            child = int(GGUF_QUANTIZE_PROCESS_BYTES + 0.75 * size.bf16_bytes)
+            stages.append(_child_stage(quantize_stage(key), seconds, base, child, artifact))
             # llama.cpp's evaluation runs further below its kernel's rate on narrow layers (measured: SmolLM2's
             # 576-wide ones at about 0.65 of the rate of Qwen's 896-wide ones, relative to the FLOPs), where the
             # per-layer work besides the multiplies weighs more.
@@ -369,17 +379,18 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
             calibration = max(inputs.calibration_tokens, 1)
             dtype = chosen_dtype if key in inputs.follows_dtype else "bfloat16"
             slowdown = BF16_EMULATED_SLOWDOWN if dtype == "bfloat16" and bf16_emulated else 1.0
-            seconds = _torch_quantize_seconds(size, method, slowdown, host.gemm_gflops, calibration)
+            seconds = TORCH_QUANTIZER_PROCESS_SECONDS + _torch_quantize_seconds(
+                size, method, slowdown, host.gemm_gflops, calibration
+            )
             held = _quantize_held(size, calibration, method, dtype)
-            plan = StagePlan(quantize_stage(key), seconds, base + held, artifact, note=f"{dtype} arithmetic")
-            library, library_bytes = QUANTIZER_LIBRARY[method]
-            if on_gpu:  # the model on the GPU; host memory holds the libraries and the loaded checkpoint
-                plan.vram_bytes = held - int(library_bytes)
-                plan.peak_rss_bytes = base + int(library_bytes) + size.bf16_bytes
+            library_bytes = int(QUANTIZER_LIBRARY[method][1])
+            # In the child: the libraries, the tokenizer and what the quantizer holds; on a GPU the model is there,
+            # and host memory holds the libraries and the loaded checkpoint.
+            child = base + (library_bytes + size.bf16_bytes if on_gpu else held)
+            plan = _child_stage(quantize_stage(key), seconds, base, child, artifact, f"{dtype} arithmetic")
+            if on_gpu:
+                plan.vram_bytes = held - library_bytes
             stages.append(plan)
-            # The quantizer's library stays imported in the build process for every later stage.
-            imported[library] = int(library_bytes)
-            base = process_base_bytes(size) + sum(imported.values())
             # Packed weights, plus the unquantized embedding table (and LM head, when untied) in 16 bits.
             unquantized = size.vocab_size * size.hidden_size * 2 * (1 if size.tie_word_embeddings else 2)
             stages.append(
@@ -396,6 +407,13 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
     return stages
 
 
+def _child_stage(key: str, seconds: float, beside: int, child: int, disk: int, note: str = "") -> StagePlan:
+    """A stage whose work runs in a child process while the build process (``beside`` bytes) waits: the host
+    holds both, and that sum is the stage's peak; the child's own is kept for comparison with its measured one."""
+    note = f"{note}; child process" if note else "child process"
+    return StagePlan(key, seconds, beside + child, disk, note=note, child_rss_bytes=child)
+
+
 def summarize(stages: list[StagePlan], size: ModelSize) -> dict:
     peak = max(stages, key=lambda s: s.peak_rss_bytes)
     vram = max(stages, key=lambda s: s.vram_bytes)
@@ -407,8 +425,12 @@ def summarize(stages: list[StagePlan], size: ModelSize) -> dict:
         "disk_bytes": int(sum(s.disk_bytes for s in stages) * DISK_MARGIN),
         "bf16_weights_bytes": size.bf16_bytes,
         "peak_over_bf16": round(peak.peak_rss_bytes / size.bf16_bytes, 3),
-        # What the model itself costs: the peak less the build process's footprint before any model.
-        "peak_beyond_libraries_over_bf16": round((peak.peak_rss_bytes - process_base_bytes(size)) / size.bf16_bytes, 3),
+        # What the model itself costs: the peak less the footprint before any model of each process then running
+        # (a quantizer's child has libraries and a tokenizer of its own).
+        "peak_beyond_libraries_over_bf16": round(
+            (peak.peak_rss_bytes - process_base_bytes(size) * (2 if peak.child_rss_bytes else 1)) / size.bf16_bytes,
+            3,
+        ),
     }
 
 
@@ -469,9 +491,10 @@ def plan_versus_actual(plan: dict, stages: dict) -> list[dict]:
         record = stages.get(predicted["key"])
         if not record:
             continue
-        memory = (record.get("memory") or {}).get("peak_rss_bytes")
-        child = (record.get("memory") or {}).get("child_peak_rss_bytes")
-        actual_memory = max(memory or 0, child or 0) or None
+        measured = record.get("memory") or {}
+        memory, child = measured.get("peak_rss_bytes"), measured.get("child_peak_rss_bytes")
+        # Both processes at once where the stage waited for a child it ran (quantize); else the larger of the two.
+        actual_memory = measured.get("host_peak_rss_bytes") or max(memory or 0, child or 0) or None
         rows.append(
             {
                 "key": predicted["key"],

@@ -101,7 +101,10 @@ def fastest_of(ours_runs: list[dict], theirs_runs: list[dict]) -> tuple[dict, di
         records = [run["stages"][key] for run in ours_runs]
         peaks = [r["memory"]["peak_rss_bytes"] or 0 for r in records]
         children = [r["memory"].get("child_peak_rss_bytes") or 0 for r in records]
+        hosts = [r["memory"].get("host_peak_rss_bytes") or 0 for r in records]  # a quantizer's child and the build
         memory = {"peak_rss_bytes": max(peaks) or None, "child_peak_rss_bytes": max(children) or None}
+        if max(hosts):
+            memory["host_peak_rss_bytes"] = max(hosts)
         ours["stages"][key] = {**record, "seconds": min(r["seconds"] for r in records), "memory": memory}
     theirs = {}
     for key in theirs_runs[0]:
@@ -191,7 +194,7 @@ def main() -> int:
         baseline = min(run["stages"]["tokens"]["memory"]["peak_rss_bytes"] for run in ours_runs)
         bf16 = 2 * parameters
         stages = plan_versus_actual(ours["plan"], ours["stages"])
-        peak = max(row["peak_rss_bytes"] or 0 for row in stages)  # each stage's own or its child's, whichever is larger
+        peak = max(row["peak_rss_bytes"] or 0 for row in stages)  # each stage's own or its child's (both, while it waits)
         report["models"][model] = {
             "parameters": parameters,
             "wall_seconds": round(ours["wall_seconds"], 1),

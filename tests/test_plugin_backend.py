@@ -94,6 +94,44 @@ class RTNBackend(HFFolderBackend):
         return Deployment("transformers", ["rtn-demo"], {"quant_method": "rtn-demo", "bits": 8}, usage)
 '''
 
+# Quantizers that end their own process, the ways a real one does: GPTQModel's worker pool ends the process with
+# os._exit(1) when a task raises (here a matmul of shapes that do not multiply, run on that very pool), and the
+# kernel's out-of-memory killer sends SIGKILL (here sent by the process to itself, half-way through writing).
+CRASH_MODULE = """
+import os
+import signal
+
+from quantforge.backends import Format
+from quantforge.backends.hf import HFFolderBackend
+
+
+def multiply(a, b):
+    return a @ b
+
+
+class CrashBackend(HFFolderBackend):
+    name = "crash-demo"
+    requires = ("gptqmodel",)
+    needs_calibration = False
+    formats = {
+        name: Format(name, "hf", "crash", ("transformers",), 4.0, "ends its process (test)", "CRASH")
+        for name in ("crash-pool", "crash-killed")
+    }
+
+    def quantize(self, job):
+        import torch
+
+        job.out.mkdir(parents=True)
+        (job.out / "model.safetensors").write_bytes(b"half")
+        if job.format.name == "crash-killed":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")  # GPTQModel refuses to start with one (2 cores)
+        from gptqmodel import get_device_thread_pool
+
+        task = get_device_thread_pool().submit(torch.device("cpu"), multiply, torch.ones(2, 3), torch.ones(2, 3))
+        return task.result()
+"""
+
 
 @pytest.fixture(scope="module")
 def plugin_site(tmp_path_factory):
@@ -104,6 +142,7 @@ def plugin_site(tmp_path_factory):
     (project / "qf_demo" / "__init__.py").write_text("")
     (project / "qf_demo" / "q40.py").write_text(textwrap.dedent(PLUGIN_MODULE))
     (project / "qf_demo" / "rtn.py").write_text(textwrap.dedent(RTN_MODULE))
+    (project / "qf_demo" / "crash.py").write_text(textwrap.dedent(CRASH_MODULE))
     (project / "pyproject.toml").write_text(
         textwrap.dedent(
             """
@@ -118,6 +157,7 @@ def plugin_site(tmp_path_factory):
             [project.entry-points."quantforge.backends"]
             q40-demo = "qf_demo.q40:Q40Backend"
             rtn-demo = "qf_demo.rtn:RTNBackend"
+            crash-demo = "qf_demo.crash:CrashBackend"
             """
         )
     )
@@ -186,3 +226,31 @@ def test_a_plugin_hf_format_is_evaluated_through_its_own_dequantizer(plugin_site
     readme = (run / "artifacts" / "rtn-int8" / "README.md").read_text()
     assert "rtn-runtime serve ./rtn-int8" in readme and "vllm serve" not in readme
     assert "- rtn-demo" in readme.split("---")[1] and "| weight bits | 8 |" in readme
+
+
+def test_a_quantizer_that_ends_its_process_fails_its_format_and_the_build_goes_on(plugin_site, tiny_llama, tmp_path):
+    env = {"PYTHONPATH": str(plugin_site)}
+    run = tmp_path / "run"
+    args = ["build", str(tiny_llama), "--out", str(run), "--formats", "crash-pool,crash-killed,gguf-q8_0", *FAST_EVAL]
+    result = quantforge_cli(*args, env=env)
+    assert result.returncode == 3, result.stderr[-3000:]  # errors.EXIT_FORMATS_FAILED: the card covers the rest
+    failures = read_json(run / "run.json")["failures"]
+    # GPTQModel printed the worker's traceback into the format's log before os._exit: its last line is the reason
+    assert failures["crash-pool"]["error"] == (
+        "the quantizer's process exited with status 1 before it finished: "
+        "RuntimeError: mat1 and mat2 shapes cannot be multiplied (2x3 and 2x3)"
+    )
+    assert "killed (SIGKILL), most likely by the system for lack of memory" in failures["crash-killed"]["error"]
+    for key in ("crash-pool", "crash-killed"):  # told on the terminal as one line each (rich folds it there)
+        assert failures[key]["line"].startswith(f"{key}: quantize failed in GPTQModel ")
+        assert f"✗ {key}: quantize failed in GPTQModel " in result.stderr
+    card = read_json(run / "card.json")
+    entries = {entry["key"]: entry for entry in card["formats"]}
+    assert entries["crash-pool"]["failure"] == failures["crash-pool"] and "metrics" not in entries["crash-killed"]
+    assert entries["gguf-q8_0"]["metrics"]["tokens_scored"] == card["reference"]["tokens_scored"]
+    assert card["decision"]["recommended"] == "gguf-q8_0"
+    assert sorted(p.name for p in (run / "artifacts").iterdir()) == ["gguf-q8_0"]  # nothing half-written is left
+    # the same command retries only what failed
+    made = read_json(run / "run.json")["stages"]["quantize/gguf-q8_0"]["started"]
+    assert quantforge_cli(*args, env=env).returncode == 3
+    assert read_json(run / "run.json")["stages"]["quantize/gguf-q8_0"]["started"] == made

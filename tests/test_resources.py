@@ -208,7 +208,7 @@ def test_gptq_calibrates_in_float32_on_a_cpu_without_bf16_when_it_fits():
     roomy = plan(no_bf16)
     assert roomy["quantize_dtype"]["dtype"] == "float32"
     gptq, awq = _stage(roomy, "quantize/gptq-int4"), _stage(roomy, "quantize/awq")
-    assert gptq["note"] == "float32 arithmetic" and awq["note"] == "bfloat16 arithmetic"
+    assert gptq["note"].startswith("float32 arithmetic") and awq["note"].startswith("bfloat16 arithmetic")
     asked_bf16 = plan(no_bf16, "bfloat16")
     assert asked_bf16["quantize_dtype"] == {"dtype": "bfloat16", "why": "asked for", "formats": ["gptq-int4"]}
     gptq_bf16 = _stage(asked_bf16, "quantize/gptq-int4")
@@ -223,9 +223,12 @@ def test_gptq_calibrates_in_float32_on_a_cpu_without_bf16_when_it_fits():
     native = plan(replace(no_bf16, cpu_bf16=True))
     assert native["quantize_dtype"]["dtype"] == "bfloat16"
     assert _stage(native, "quantize/gptq-int4")["seconds"] == pytest.approx(gptq["seconds"])
-    # GPTQModel stays imported in the build process after its first stage: counted once for GPTQ and AWQ.
+    # The quantizer runs in a child beside the build process: the host holds both while it runs, and nothing of
+    # the quantizer's library is left in the build process for later stages.
+    base = _stage(roomy, "tokens")["peak_rss_bytes"]
+    assert gptq["peak_rss_bytes"] == base + gptq["child_rss_bytes"] and gptq["note"].endswith("child process")
     gguf_only = make_resource_plan(QWEN_7B, _inputs(), HOST)
-    assert _stage(roomy, "card")["peak_rss_bytes"] - _stage(gguf_only, "card")["peak_rss_bytes"] == int(0.18 * GB)
+    assert _stage(roomy, "card")["peak_rss_bytes"] == _stage(gguf_only, "card")["peak_rss_bytes"]
     cuda_inputs = replace(_inputs(formats, "cuda:0", 128 * 512), follows_dtype=frozenset({"gptq-int4"}))
     assert quantize_dtype(QWEN_7B, cuda_inputs, no_bf16)[0] == "bfloat16"
 

@@ -121,6 +121,9 @@ class Backend(abc.ABC):
     # The importable module of the library that loads this backend's artifacts for evaluation (named, with its
     # version, when evaluation fails); quantization failures name the first of ``requires``.
     runtime_module: ClassVar[str] = "transformers"
+    # Whether quantize() loads the model in transformers: its process then imports transformers first, without
+    # the packages it never uses (memory.import_transformers_slim). llama.cpp's quantizers need no torch at all.
+    quantizes_in_transformers: ClassVar[bool] = True
 
     def unavailable_reason(self) -> str | None:
         """Why this backend cannot run on this host, or None. Must not import the heavy library."""

@@ -39,6 +39,7 @@ class AutoRoundBackend(LlamaCppBackend):
     extra = "autoround"
     alternative_for = frozenset(SCHEMES)
     needs_calibration = True
+    quantizes_in_transformers = True
     progress_pattern = r"Quantizing model\.layers\.(\d+).*?/(\d+)"
 
     def check(self, source, fmt, settings: dict) -> list[str]:

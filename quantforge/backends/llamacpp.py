@@ -161,6 +161,7 @@ class LlamaCppBackend(Backend):
     requires = ("llama_cpp", "gguf")
     extra = "gguf"
     runtime_module = "llama_cpp"
+    quantizes_in_transformers = False  # llama.cpp's quantizer reads the F16 GGUF
 
     def check(self, source, fmt: Format, settings: dict) -> list[str]:
         from ..llamacpp_convert import find_converter

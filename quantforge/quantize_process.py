@@ -1,0 +1,219 @@
+"""Each format's quantizer runs in a process of its own, so that whatever ends that process fails the format only.
+
+Inside the build's process a quantizer could take the whole build down with it: GPTQModel 7.6 ends the process
+with ``os._exit(1)`` when a task of its worker threads raises (``utils/threadx.py``), a C library can abort or
+crash, and the kernel's out-of-memory killer ends the process that grew. In a child, each of these becomes one
+line about that format, and the build goes on to the next. The child also takes the quantizer's library and
+whatever it kept alive with it when it exits, so later stages of the build never carry them.
+
+The parent (``quantize_in_child``) sends the job as JSON on the child's stdin and reads JSON lines from a pipe:
+``{"log": ...}`` for the build's log, then ``{"result": ...}`` or ``{"error": ...}``. The child's stdout and stderr
+are the parent's, which the pipeline has pointed at the format's log, where the library's output and progress go.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+from .backends import QuantizeJob
+from .errors import DISK_ERRORS, QuantforgeError
+
+# How many lines at the end of the log are searched for the reason a child gave before it exited.
+LOG_TAIL_LINES = 200
+
+
+def job_spec(job: QuantizeJob, backend: str, intermediates: dict[str, Path]) -> dict:
+    """What the child needs to rebuild ``job``: plain JSON (the callables become the resolved paths)."""
+    return {
+        "backend": backend,
+        "format": job.format.name,
+        "source": job.source.to_json(),
+        "settings": job.settings,
+        "out": str(job.out),
+        "intermediates": {name: str(path) for name, path in intermediates.items()},
+        "log_dir": str(job.log_dir),
+        "calibration": str(job.calibration) if job.calibration else None,
+        "checkpoint_dir": str(job.checkpoint_dir) if job.checkpoint_dir else None,
+        "threads": job.threads,
+        "device": job.device,
+        "dtype": job.dtype,
+    }
+
+
+def job_from_spec(spec: dict, log) -> tuple[object, QuantizeJob]:
+    """(backend, job) in the child, from ``job_spec``'s JSON."""
+    from .backends import load_backend
+    from .source import SourceModel
+
+    backend = load_backend(spec["backend"])
+    source = SourceModel(**{**spec["source"], "path": Path(spec["source"]["path"])})
+    paths = {name: Path(path) for name, path in spec["intermediates"].items()}
+
+    def intermediate(name: str) -> Path:
+        if name not in paths:
+            raise QuantforgeError(f"intermediate {name} was not made before the quantize stage that needs it")
+        return paths[name]
+
+    optional = lambda value: Path(value) if value else None  # noqa: E731
+    job = QuantizeJob(
+        source,
+        backend.formats[spec["format"]],
+        spec["settings"],
+        Path(spec["out"]),
+        intermediate,
+        Path(spec["log_dir"]),
+        calibration=optional(spec["calibration"]),
+        checkpoint_dir=optional(spec["checkpoint_dir"]),
+        threads=spec["threads"],
+        device=spec["device"],
+        dtype=spec["dtype"],
+        log=log,
+    )
+    return backend, job
+
+
+def quantize_in_child(job: QuantizeJob, backend: str, intermediates: dict[str, Path], log_path: Path) -> dict:
+    """Run ``backend``'s quantize of ``job`` in a child process and return its facts, or raise one line.
+
+    An exception in the child comes back as the same kind of exception (a full disk or exhausted memory still
+    stops the build, see failures.is_environment_error); a child that ended without answering, as a
+    ``QuantforgeError`` saying how it ended. An interrupt here ends the child before it is passed on, so nothing
+    writes into the temporary artifact after the pipeline has removed it.
+    """
+    from .memory import note_child_peak
+
+    read_end, write_end = os.pipe()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "quantforge.quantize_process", str(write_end)],
+        stdin=subprocess.PIPE,
+        pass_fds=(write_end,),
+    )
+    os.close(write_end)
+    answer: dict = {}
+    try:
+        with os.fdopen(read_end, "rb") as messages:
+            process.stdin.write(json.dumps(job_spec(job, backend, intermediates)).encode())
+            process.stdin.close()
+            for line in messages:
+                message = json.loads(line)
+                if "log" in message:
+                    job.log(message["log"])
+                else:
+                    answer = message
+        process.wait()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            process.wait()
+    if answer.get("peak_rss_bytes"):
+        # The child's own figure: wait4's ru_maxrss would carry the build's resident size from the fork.
+        note_child_peak(answer["peak_rss_bytes"])
+    if "result" in answer and process.returncode == 0:
+        return answer["result"]
+    if "error" in answer:
+        raise rebuilt_error(answer["error"])
+    raise QuantforgeError(how_it_ended(process.returncode, log_path))
+
+
+def rebuilt_error(error: dict) -> Exception:
+    """The child's exception as one the pipeline treats the same way: ours as ours, memory and disk as theirs."""
+    line = error["line"]
+    if error.get("kind") == "memory":
+        return MemoryError(line)
+    if error.get("errno") in DISK_ERRORS:
+        return OSError(error["errno"], line)
+    return QuantforgeError(line)
+
+
+def how_it_ended(returncode: int, log_path: Path) -> str:
+    """One line for a child that ended without an answer: the signal or exit status, and why where it is known."""
+    if returncode < 0:
+        name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else f"signal {-returncode}"
+        if -returncode == signal.SIGKILL:
+            return (
+                f"the quantizer's process was killed ({name}), most likely by the system for lack of memory; "
+                "see --plan-only for what each stage needs, or use a machine with more memory"
+            )
+        return f"the quantizer's process was ended by {name}"
+    reason = last_error_line(log_path)
+    said = f": {reason}" if reason else ""
+    return f"the quantizer's process exited with status {returncode} before it finished{said}"
+
+
+def last_error_line(log_path: Path) -> str | None:
+    """The last line of a Python traceback in the log (``ValueError: ...``), the reason a library gave before it
+    ended the process itself (GPTQModel prints the traceback, then calls os._exit)."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+    except OSError:
+        return None
+    in_traceback = False
+    reason = None
+    for line in lines:
+        if line.startswith("Traceback (most recent call last)"):
+            in_traceback = True
+        elif in_traceback and line and not line.startswith((" ", "\t")):
+            reason, in_traceback = " ".join(line.split())[:400], False
+    return reason
+
+
+def _error_record(exc: BaseException) -> dict:
+    from .failures import last_line
+
+    record = {"line": last_line(exc), "type": type(exc).__name__}
+    if isinstance(exc, MemoryError):
+        record["kind"] = "memory"
+    elif isinstance(exc, OSError) and exc.errno is not None:
+        record["errno"] = exc.errno
+    return record
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel sends this process SIGKILL when the build that started it dies (killed with SIGKILL, say),
+    so no orphan goes on writing into a run that a later build has taken over."""
+    try:
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def main() -> int:
+    _die_with_parent()
+    messages = os.fdopen(int(sys.argv[1]), "w")
+
+    def send(message: dict) -> None:
+        messages.write(json.dumps(message) + "\n")
+        messages.flush()
+
+    from .errors import interrupts_kept
+    from .memory import _high_water_bytes, import_transformers_slim
+
+    spec = json.loads(sys.stdin.read())
+    try:
+        backend, job = job_from_spec(spec, lambda line: send({"log": line}))
+        if backend.quantizes_in_transformers:
+            import_transformers_slim()  # as in the build process: the same modules, and 0.2 GB less
+        with interrupts_kept():
+            facts = backend.quantize(job)
+    except KeyboardInterrupt:
+        return 130
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the build as one line
+        traceback.print_exc()
+        sys.stderr.flush()
+        send({"error": _error_record(exc), "peak_rss_bytes": _high_water_bytes()})
+        return 1
+    send({"result": facts, "peak_rss_bytes": _high_water_bytes()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
