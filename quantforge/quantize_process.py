@@ -98,10 +98,16 @@ def quantize_in_child(job: QuantizeJob, backend: str, intermediates: dict[str, P
     answer: dict = {}
     try:
         with os.fdopen(read_end, "rb") as messages:
-            process.stdin.write(json.dumps(job_spec(job, backend, intermediates)).encode())
-            process.stdin.close()
+            try:
+                process.stdin.write(json.dumps(job_spec(job, backend, intermediates)).encode())
+                process.stdin.close()
+            except BrokenPipeError:  # it ended before reading the job: how it ended is told below
+                pass
             for line in messages:
-                message = json.loads(line)
+                try:
+                    message = json.loads(line)
+                except ValueError:  # a line cut short by the child's end
+                    continue
                 if "log" in message:
                     job.log(message["log"])
                 else:
