@@ -194,7 +194,7 @@ def main() -> int:
         baseline = min(run["stages"]["tokens"]["memory"]["peak_rss_bytes"] for run in ours_runs)
         bf16 = 2 * parameters
         stages = plan_versus_actual(ours["plan"], ours["stages"])
-        peak = max(row["peak_rss_bytes"] or 0 for row in stages)  # each stage's own or its child's (both, while it waits)
+        peak = max(row["peak_rss_bytes"] or 0 for row in stages)  # a stage's own, its child's, or both
         report["models"][model] = {
             "parameters": parameters,
             "wall_seconds": round(ours["wall_seconds"], 1),
