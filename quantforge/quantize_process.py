@@ -22,7 +22,7 @@ import traceback
 from pathlib import Path
 
 from .backends import QuantizeJob
-from .errors import DISK_ERRORS, QuantforgeError
+from .errors import QuantforgeError
 
 # How many lines at the end of the log are searched for the reason a child gave before it exited.
 LOG_TAIL_LINES = 200
@@ -128,12 +128,11 @@ def quantize_in_child(job: QuantizeJob, backend: str, intermediates: dict[str, P
 
 
 def rebuilt_error(error: dict) -> Exception:
-    """The child's exception as one the pipeline treats the same way: ours as ours, memory and disk as theirs."""
+    """The child's exception as one the pipeline treats the same way (failures.is_environment_error): a full disk
+    or exhausted memory still stops the build, anything else fails the format."""
     line = error["line"]
-    if error.get("kind") == "memory":
-        return MemoryError(line)
-    if error.get("errno") in DISK_ERRORS:
-        return OSError(error["errno"], line)
+    if error.get("environment"):
+        return OSError(error["errno"], line) if error.get("errno") else MemoryError(line)
     return QuantforgeError(line)
 
 
@@ -170,14 +169,9 @@ def last_error_line(log_path: Path) -> str | None:
 
 
 def _error_record(exc: BaseException) -> dict:
-    from .failures import last_line
+    from .failures import is_environment_error, last_line
 
-    record = {"line": last_line(exc), "type": type(exc).__name__}
-    if isinstance(exc, MemoryError):
-        record["kind"] = "memory"
-    elif isinstance(exc, OSError) and exc.errno is not None:
-        record["errno"] = exc.errno
-    return record
+    return {"line": last_line(exc), "environment": is_environment_error(exc), "errno": getattr(exc, "errno", None)}
 
 
 def _die_with_parent() -> None:

@@ -223,6 +223,7 @@ class StagePlan:
     vram_bytes: int = 0
     note: str = ""
     child_rss_bytes: int = 0  # of a stage run in a child process beside the build's: the child's own peak
+    child_base_bytes: int = 0  # and what of it is the child's libraries (and tokenizer) before any model
 
     def to_json(self) -> dict:
         return {k: (round(v, 1) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -363,7 +364,9 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
             # llama.cpp maps the F16 file and streams through it (measured: 0.75 of it resident at the peak), in a
             # child process beside the build's.
             child = int(GGUF_QUANTIZE_PROCESS_BYTES + 0.75 * size.bf16_bytes)
-            stages.append(_child_stage(quantize_stage(key), seconds, base, child, artifact))
+            stages.append(
+                _child_stage(quantize_stage(key), seconds, base, int(GGUF_QUANTIZE_PROCESS_BYTES), child, artifact)
+            )
             # llama.cpp's evaluation runs further below its kernel's rate on narrow layers (measured: SmolLM2's
             # 576-wide ones at about 0.65 of the rate of Qwen's 896-wide ones, relative to the FLOPs), where the
             # per-layer work besides the multiplies weighs more.
@@ -387,7 +390,7 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
             # In the child: the libraries, the tokenizer and what the quantizer holds; on a GPU the model is there,
             # and host memory holds the libraries and the loaded checkpoint.
             child = base + (library_bytes + size.bf16_bytes if on_gpu else held)
-            plan = _child_stage(quantize_stage(key), seconds, base, child, artifact, f"{dtype} arithmetic")
+            plan = _child_stage(quantize_stage(key), seconds, base, base, child, artifact, f"{dtype} arithmetic")
             if on_gpu:
                 plan.vram_bytes = held - library_bytes
             stages.append(plan)
@@ -407,11 +410,14 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
     return stages
 
 
-def _child_stage(key: str, seconds: float, beside: int, child: int, disk: int, note: str = "") -> StagePlan:
-    """A stage whose work runs in a child process while the build process (``beside`` bytes) waits: the host
-    holds both, and that sum is the stage's peak; the child's own is kept for comparison with its measured one."""
+def _child_stage(
+    key: str, seconds: float, beside: int, child_base: int, child: int, disk: int, note: str = ""
+) -> StagePlan:
+    """A stage whose work runs in a child process (``child`` bytes at its peak, ``child_base`` of them before any
+    model) while the build process (``beside`` bytes) waits: the host holds both, and that sum is the stage's
+    peak; the child's own is kept for comparison with its measured one."""
     note = f"{note}; child process" if note else "child process"
-    return StagePlan(key, seconds, beside + child, disk, note=note, child_rss_bytes=child)
+    return StagePlan(key, seconds, beside + child, disk, note=note, child_rss_bytes=child, child_base_bytes=child_base)
 
 
 def summarize(stages: list[StagePlan], size: ModelSize) -> dict:
@@ -428,7 +434,7 @@ def summarize(stages: list[StagePlan], size: ModelSize) -> dict:
         # What the model itself costs: the peak less the footprint before any model of each process then running
         # (a quantizer's child has libraries and a tokenizer of its own).
         "peak_beyond_libraries_over_bf16": round(
-            (peak.peak_rss_bytes - process_base_bytes(size) * (2 if peak.child_rss_bytes else 1)) / size.bf16_bytes,
+            (peak.peak_rss_bytes - process_base_bytes(size) - peak.child_base_bytes) / size.bf16_bytes,
             3,
         ),
     }

@@ -61,3 +61,16 @@ def test_an_error_in_the_child_comes_back_as_one_line(tiny_llama, tmp_path):
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
     with pytest.raises(QuantforgeError, match="unknown backend 'no-such-backend'"):
         quantize_in_child(job, "no-such-backend", {}, logs / "quantize.log")
+
+
+def test_memory_and_disk_errors_in_the_child_still_stop_the_build():
+    import errno
+
+    from quantforge.failures import is_environment_error
+    from quantforge.quantize_process import _error_record, rebuilt_error
+
+    for raised in (MemoryError("no room"), OSError(errno.ENOSPC, "No space left on device")):
+        rebuilt = rebuilt_error(_error_record(raised))
+        assert type(rebuilt) is type(raised) and is_environment_error(rebuilt)
+    assert type(rebuilt_error(_error_record(OSError(errno.ENOENT, "gone")))) is QuantforgeError
+    assert str(rebuilt_error(_error_record(ValueError("bad shape")))) == "ValueError: bad shape"
