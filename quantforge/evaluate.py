@@ -256,6 +256,32 @@ def _put_back(first: np.ndarray, blocks: Iterator[np.ndarray]) -> Iterator[np.nd
     yield from blocks
 
 
+class NonFiniteLogits(QuantforgeError):
+    """A window's figures came out NaN or infinite: its logits hold NaN or infinity where it matters, and no mean,
+    interval or recommendation built on them would mean anything (a NaN perplexity once reached the card as
+    "missed perplexity_increase_pct nan%"). ``window`` and ``position`` say where it was first seen."""
+
+    def __init__(self, what: str, window: int, position: int, value: float):
+        self.window, self.position = window, position
+        super().__init__(
+            f"{what} at window {window + 1}, position {position + 1} is {value}: its logits hold NaN or infinity"
+        )
+
+
+def check_finite(whose: str, window: int, **figures: np.ndarray) -> None:
+    """Raise ``NonFiniteLogits`` at the first position where any of ``figures`` is NaN or infinite.
+
+    A -inf logit alone (a vocabulary entry the model masks out) passes: it leaves every figure finite unless the
+    model gives it to the token that came next, which is a real infinite loss and is reported as one.
+    """
+    for name, values in figures.items():
+        bad = np.flatnonzero(~np.isfinite(values))
+        if bad.size:
+            row = int(bad[0])
+            what = f"{whose} {name.replace('_', ' ')}"
+            raise NonFiniteLogits(what, window, row, float(np.ravel(values[row])[0]))
+
+
 def reference_window(
     logits: LogitRows, tokens: np.ndarray, seed: int = 0, top_k: int = TOP_K, tail_samples: int = TAIL_SAMPLES
 ) -> ReferenceWindow:
@@ -415,6 +441,7 @@ def score_reference(
     for index in range(resumed, len(windows)):
         window = windows[index]
         ref = reference_window(logits_fn(window), window, seed=index)
+        check_finite("the reference's", index, negative_log_likelihood=ref.nll, top_log_probability=ref.top_logp[:, 0])
         progress.add({name: getattr(ref, name) for name in REFERENCE_FIELDS})
         if on_window:
             on_window(index + 1)
@@ -437,7 +464,9 @@ def score_artifact(
     progress = WindowProgress(progress_path)
     resumed = len(progress.windows)
     for index in range(resumed, len(windows)):
-        progress.add(compare_window(logits_fn(windows[index]), windows[index], refs[index]))
+        compared = compare_window(logits_fn(windows[index]), windows[index], refs[index])
+        check_finite("the artifact's", index, negative_log_likelihood=compared["nll"], kl_divergence=compared["kld"])
+        progress.add(compared)
         if on_window:
             on_window(index + 1)
     seconds = time.perf_counter() - started

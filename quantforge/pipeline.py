@@ -26,6 +26,7 @@ from .decide import Targets
 from .errors import QuantforgeError, StageFailed, interrupts_kept
 from .evaluate import (
     EvalSettings,
+    NonFiniteLogits,
     load_reference,
     make_windows,
     save_reference,
@@ -604,12 +605,15 @@ class Build:
 
         def produce():
             with self.ui.task("evaluate reference (transformers, float32)", total=len(windows)) as advance:
-                refs, summary = score_reference(
-                    partial(scored_logit_blocks, runner.get()),
-                    windows,
-                    advance,
-                    progress_path=self.progress_path(REFERENCE, inputs),
-                )
+                try:
+                    refs, summary = score_reference(
+                        partial(scored_logit_blocks, runner.get()),
+                        windows,
+                        advance,
+                        progress_path=self.progress_path(REFERENCE, inputs),
+                    )
+                except NonFiniteLogits as exc:
+                    raise self.non_finite_reference(exc) from None
             save_reference(path, refs)
             return {**summary, "runtime": "transformers", "dtype": "float32", "threads": self.plan.threads}
 
@@ -622,6 +626,20 @@ class Build:
             produce=produce,
         )
         return path
+
+    def non_finite_reference(self, exc: NonFiniteLogits) -> QuantforgeError:
+        """The model itself scores NaN or infinity: nothing can be compared with it, so the build stops before any
+        format is made, naming the stored tensors to blame (found by a scan made only now)."""
+        from .source import describe_non_finite, non_finite_weights
+
+        found = non_finite_weights(self.source.path)
+        if found:
+            cause = f"the checkpoint stores non-finite weights: {describe_non_finite(found)}"
+            advice = "repair or re-download the checkpoint"
+        else:
+            cause = "every stored weight is finite, so the float32 forward itself overflows"
+            advice = "check the model in transformers on this text"
+        return QuantforgeError(f"{exc}; {cause}; {advice} (nothing was quantized)")
 
     def tasks(self, key: str, runner: "LazyRunner", upstream: str) -> None:
         """One stage per task, so an interrupted evaluation resumes at the task where it stopped."""

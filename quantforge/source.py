@@ -135,6 +135,37 @@ def model_facts(folder: Path, *, allow_pickle: bool = False) -> dict:
     }
 
 
+def non_finite_weights(folder: Path) -> list[tuple[str, int, int]]:
+    """(name, NaN count, infinity count) of each stored floating tensor in the folder's safetensors that is not all
+    finite, in file and storage order. One tensor at a time is read: the scan runs only after the reference's figures
+    came out non-finite, to name the tensor to blame."""
+    import torch
+    from safetensors import safe_open
+
+    found = []
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as weights:
+            for name in weights.keys():
+                tensor = weights.get_tensor(name)
+                if not tensor.is_floating_point():
+                    continue
+                nan = int(torch.isnan(tensor).sum())
+                inf = int(torch.isinf(tensor).sum())
+                if nan or inf:
+                    found.append((name, nan, inf))
+    return found
+
+
+def describe_non_finite(found: list[tuple[str, int, int]], shown: int = 3) -> str:
+    """'model.norm.weight (1 NaN), lm_head.weight (2 inf) and 4 more tensors'"""
+    parts = []
+    for name, nan, inf in found[:shown]:
+        counts = ", ".join(text for text in (f"{nan} NaN" if nan else "", f"{inf} inf" if inf else "") if text)
+        parts.append(f"{name} ({counts})")
+    more = f" and {len(found) - shown} more tensors" if len(found) > shown else ""
+    return ", ".join(parts) + more
+
+
 def config_facts(config: dict) -> dict:
     """Widths, depth, vocabulary and dtype of a config.json (its text model's, for multimodal configs)."""
     text = config.get("text_config") or config

@@ -103,6 +103,24 @@ def test_corrupted_safetensors(run_copy, tiny_llama, tmp_path):
     assert_clean_error(_build_into(run_copy, str(folder)), "corrupted", "model.safetensors")
 
 
+def test_a_nan_weight_is_refused_naming_the_tensor_before_anything_is_quantized(tiny_llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "nan-weight"
+    shutil.copytree(tiny_llama, folder)
+    weights = load_file(folder / "model.safetensors")
+    broken = "model.layers.0.mlp.down_proj.weight"
+    weights[broken][0, 0] = float("nan")
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "run"
+    result = quantforge_cli("build", str(folder), "--out", str(out), "--formats", "gguf-q8_0", *FAST_EVAL)
+    assert_clean_error(
+        result, "the reference's negative log likelihood at window 1, position 1 is nan", f"{broken} (1 NaN)"
+    )
+    manifest = json.loads((out / "run.json").read_text())
+    assert "reference" not in manifest["stages"] and not any(k.startswith("quantize") for k in manifest["stages"])
+
+
 def test_a_different_model_into_an_existing_run(run_copy, tiny_qwen2):
     result = _build_into(run_copy, str(tiny_qwen2), "--formats", "gguf-q8_0")
     assert_clean_error(result, "holds a run of", "--force")

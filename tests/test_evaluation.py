@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 from conftest import FAST_EVAL, TASKS_DATA, TINY_RUN_ARGS, WIKITEXT, quantforge_cli, read_json
 
-from quantforge.evaluate import compare_window, reference_window, tokenize_text
+from quantforge.evaluate import (
+    NonFiniteLogits,
+    compare_window,
+    reference_window,
+    score_artifact,
+    score_reference,
+    tokenize_text,
+)
 from quantforge.runners import TorchRunner
 
 
@@ -25,6 +32,34 @@ def test_kl_of_the_reference_against_itself_is_zero(tiny_llama):
     assert np.allclose(same["nll"], ref.nll)
     shifted = compare_window(logits + np.random.default_rng(0).normal(0, 0.5, logits.shape), tokens, ref)
     assert shifted["kld"].mean() > 1e-3 and not shifted["agree"].all()
+
+
+def test_non_finite_logits_stop_scoring_where_they_first_appear_but_a_masked_token_does_not(tiny_llama):
+    """NaN or +inf in a window's logits (a broken artifact) stops scoring with the window and position; a -inf logit
+    (a vocabulary entry the model masks out) leaves every figure finite and passes."""
+    windows = np.stack([np.arange(100, 164, dtype=np.int32), np.arange(300, 364, dtype=np.int32)])
+    runner = TorchRunner.from_folder(tiny_llama, threads=2)
+    refs, _ = score_reference(runner.logits, windows)
+    masked_entry = int(windows.max()) + 1  # no window's next token
+
+    def masked(tokens):
+        logits = runner.logits(tokens)
+        logits[:, masked_entry] = -np.inf
+        return logits
+
+    assert np.isfinite(score_artifact(masked, windows, refs)["kld_mean"])
+
+    def broken(tokens, value):
+        logits = runner.logits(tokens)
+        if tokens[0] == windows[1, 0]:
+            logits[9, 7] = value  # position 10 of window 2
+        return logits
+
+    for value in (np.nan, np.inf):
+        with pytest.raises(NonFiniteLogits, match=r"the artifact's negative log likelihood at window 2, position 10"):
+            score_artifact(lambda tokens, value=value: broken(tokens, value), windows, refs)
+    with pytest.raises(NonFiniteLogits, match=r"the reference's .* at window 2, position 10 is nan"):
+        score_reference(lambda tokens: broken(tokens, np.nan), windows)
 
 
 def test_scored_rows_are_grouped_alike_however_a_runner_cuts_them(monkeypatch):
