@@ -13,7 +13,7 @@ import click
 
 from . import __version__
 from .errors import DISK_ADVICE, DISK_ERRORS, EXIT_FORMATS_FAILED, EXIT_INTERRUPTED, QuantforgeError
-from .openmp import wait_passively
+from .openmp import wait_briefly
 from .rundir import CARD_MARKDOWN, MANIFEST_NAME, RunDir
 from .settings import click_options
 
@@ -22,7 +22,7 @@ def _quiet_libraries() -> None:
     """Keep library chatter (per-tensor logs, advice banners) out of the user's terminal."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    wait_passively()
+    wait_briefly()
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     os.environ.setdefault("TORCH_LOGS", "-all")  # torch's own log handler: errors only
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # ours are rich bars; theirs would interleave

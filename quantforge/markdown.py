@@ -228,11 +228,10 @@ def render_markdown(card: dict) -> str:
         f"- BOS: {ev.get('bos') or bos_convention(None)}.",
         "- KL divergence (reference || artifact) per token: exact over the reference's 64 most likely tokens, plus "
         "an unbiased estimate over the rest from 64 tokens drawn from it (fixed seed).",
-        "- Every artifact was loaded from disk: GGUF files in llama.cpp (flash attention off, "
-        "OMP_WAIT_POLICY=PASSIVE), HF-folder formats (GPTQ, AWQ, INT8) dequantized in torch with their runtime "
-        "activation quantization simulated; the reference is the float model in transformers. Torch arithmetic is "
-        "float32 throughout, over weights kept as stored (bf16, or packed) and widened one module at a time: the "
-        "same logits as a float32 copy, bit for bit.",
+        "- Every artifact was loaded from disk: GGUF files in llama.cpp (flash attention off), HF-folder formats "
+        "(GPTQ, AWQ, INT8) dequantized in torch with their runtime activation quantization simulated; the reference "
+        "is the float model in transformers. Torch arithmetic is float32 throughout, over weights kept as stored "
+        "(bf16, or packed) and widened one module at a time: the same logits as a float32 copy, bit for bit.",
         "- Bits per weight: tensor bytes in the artifact x 8 / parameters of the unquantized model.",
         f"- Intervals in brackets are 95%: perplexity change, KLD and top-1 by a paired bootstrap over the "
         f"{ev.get('windows')} windows ({BOOTSTRAP_SAMPLES} resamples, the same windows drawn for the format and the "

@@ -688,7 +688,7 @@ class Build:
         from .openmp import users_environment, wait_policy
 
         settings = dict(self.plan.speed)
-        probe_env = users_environment()  # timed as its users run it, not with this process's passive threads
+        probe_env = users_environment()  # timed as its users run it, not with this process's short spin
         path = self.paths.speed(key)
         bandwidth = self.host()["bandwidth_gbs"]
 

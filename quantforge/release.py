@@ -248,14 +248,14 @@ def check_pushes(release: Release) -> None:
 
 def run_unit(release_path: str, model_name: str, kind: str, key: str | None) -> dict:
     """Run one unit (in this process, or in a Ray worker). Imports nothing heavy until the unit needs it."""
-    from .openmp import wait_passively
+    from .openmp import wait_briefly
     from .pipeline import Build, make_plan
     from .ui import UI
 
     release = load_release(Path(release_path))
     model = next(m for m in release.models if m.name == model_name)
     plan = make_plan(build_request(release, model))
-    wait_passively()
+    wait_briefly()
     if kind == "push":
         from .publish import parse_size, push_run
 

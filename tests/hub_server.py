@@ -2,8 +2,9 @@
 uploads use.
 
 Reading: it serves folders as model repos, so the real client code (repo info, tree listing, HEAD for file
-metadata, GET with Range for resumable downloads) is exercised against loopback. ``delay_per_chunk`` slows file
-bodies down so a test can kill a download half way.
+metadata, GET with Range for resumable downloads) is exercised against loopback. ``hold_after_bytes`` stops the
+first weights download that many bytes in until ``release()``, so a test can kill a download half way whatever the
+machine's load; ``delay_per_chunk`` slows file bodies down.
 
 Writing (``create_repo``, ``create_commit`` over the classic LFS protocol, which the client uses when Xet is
 disabled): repo creation, the preupload check (which files are LFS, and the oid of files already there), the LFS
@@ -57,6 +58,7 @@ class FakeHub:
         lfs_sha_override: dict | None = None,
         drop_after_bytes: int | None = None,
         token: str | None = None,
+        hold_after_bytes: int | None = None,
     ):
         self.repos = {name: folder for name, folder in repos.items()}
         self.commits = {name: hashlib.sha1(name.encode()).hexdigest() for name in repos}
@@ -66,6 +68,9 @@ class FakeHub:
         self.ranges: list[str] = []  # Range headers of file requests: a resumed download sends one
         # Cut the connection once, this many bytes into the first weights download (a flaky network).
         self.drop_after_bytes = drop_after_bytes
+        # Hold the first weights download this many bytes in until release() (or the server's shutdown).
+        self.hold_after_bytes = hold_after_bytes
+        self.released = threading.Event()
         self.token = token
         self.created: dict[str, dict] = {}  # repo -> {"private": bool}
         self.pushed: dict[str, dict[str, bytes]] = {}  # repo -> path -> content (after commits)
@@ -86,7 +91,12 @@ class FakeHub:
         self.thread.start()
         return self
 
+    def release(self) -> None:
+        self.hold_after_bytes = None
+        self.released.set()
+
     def __exit__(self, *exc) -> None:
+        self.release()
         self.server.shutdown()
         self.server.server_close()
 
@@ -372,7 +382,12 @@ class FakeHub:
                 if not send_body:
                     return
                 drop = hub.drop_after_bytes if file.suffix == ".safetensors" and not ranged else None
+                hold = hub.hold_after_bytes if file.suffix == ".safetensors" and not ranged else None
                 for offset in range(start, len(data), CHUNK):
+                    if hold is not None and offset - start >= hold:
+                        self.wfile.flush()
+                        hub.released.wait(timeout=600)
+                        hold = None
                     if drop is not None and offset - start >= drop:
                         hub.drop_after_bytes = None
                         self.close_connection = True

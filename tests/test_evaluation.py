@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -239,9 +240,9 @@ def test_speed_probe_and_roofline(tiny_run):
     assert "(OpenMP wait policy: PASSIVE)" in (tiny_run / "card.md").read_text()
 
 
-def test_the_speed_probe_runs_as_users_run_the_runtime_not_with_our_passive_threads(tiny_run, tmp_path):
-    """A build makes OpenMP threads wait passively when the user set no policy; a probe that inherited that would
-    time llama.cpp's decode about 40% slower than its users see it (openmp.py). So the probe gets the user's
+def test_the_speed_probe_runs_as_users_run_the_runtime_not_with_our_short_spin(tiny_run, tmp_path):
+    """A build makes OpenMP threads spin only briefly when the user set no policy; a probe that inherited that would
+    not time llama.cpp as its users run it (openmp.py). So the probe gets the user's
     environment, the figure says which policy it ran under, and a change of policy redoes the speed stages alone."""
     run = tmp_path / "run"
     shutil.copytree(tiny_run, run)
@@ -262,20 +263,23 @@ def test_the_speed_probe_runs_as_users_run_the_runtime_not_with_our_passive_thre
     assert "(OpenMP wait policy: default)" in (run / "card.md").read_text()
 
 
-def test_our_passive_wait_policy_stays_ours(monkeypatch):
-    from quantforge.openmp import OURS, WAIT_POLICY, users_environment, wait_passively, wait_policy
+def test_our_short_spin_stays_ours(monkeypatch):
+    from quantforge.openmp import OURS, SPIN_COUNT, WAIT_POLICY, users_environment, wait_briefly, wait_policy
 
-    monkeypatch.delenv(WAIT_POLICY, raising=False)
-    monkeypatch.delenv(OURS, raising=False)
-    wait_passively()
-    assert wait_policy() == "PASSIVE"  # this process's threads sleep while they wait
-    assert WAIT_POLICY not in users_environment() and OURS not in users_environment()
+    for name in (WAIT_POLICY, SPIN_COUNT, OURS):
+        monkeypatch.delenv(name, raising=False)
+    wait_briefly()
+    assert wait_policy() == "default, GOMP_SPINCOUNT=1000"  # this process's threads spin briefly, then sleep
+    assert SPIN_COUNT not in users_environment() and OURS not in users_environment()
     assert wait_policy(users_environment()) == "default"
-    # A policy the user set is theirs: kept in this process and in the probe's.
-    monkeypatch.setenv(WAIT_POLICY, "ACTIVE")
-    monkeypatch.delenv(OURS)
-    wait_passively()
-    assert wait_policy() == "ACTIVE" and users_environment()[WAIT_POLICY] == "ACTIVE"
+    # A policy or a spin count the user set is theirs: kept in this process and in the probe's.
+    for name, value in ((WAIT_POLICY, "ACTIVE"), (SPIN_COUNT, "50")):
+        for other in (WAIT_POLICY, SPIN_COUNT, OURS):
+            monkeypatch.delenv(other, raising=False)
+        monkeypatch.setenv(name, value)
+        wait_briefly()
+        assert os.environ.get(SPIN_COUNT) in (None, "50") and OURS not in os.environ
+        assert users_environment()[name] == value and wait_policy(users_environment()) == wait_policy()
 
 
 def test_probe_memory_is_the_probes_own_not_its_parents(tiny_run, tmp_path):

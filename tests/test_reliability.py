@@ -235,7 +235,8 @@ def test_download_killed_half_way_completes_on_restart(tiny_llama, tiny_run, tmp
     run = tmp_path / "run"
     blobs = tmp_path / "hf" / "hub" / "models--acme--tiny-llama" / "blobs"
     args = ["--formats", "gguf-q4km", *FAST_EVAL]  # the artifact is what is compared; tasks and speed are not
-    with FakeHub({"acme/tiny-llama": tiny_llama}, delay_per_chunk=0.05) as hub:
+    # The server holds the weights 15 MB in (huggingface_hub writes 10 MB at a time) until the build is killed.
+    with FakeHub({"acme/tiny-llama": tiny_llama}, hold_after_bytes=15_000_000) as hub:
         env["HF_ENDPOINT"] = hub.endpoint
         process = subprocess.Popen(
             [sys.executable, "-m", "quantforge.cli", "build", "acme/tiny-llama", "--out", str(run), *args],
@@ -254,7 +255,7 @@ def test_download_killed_half_way_completes_on_restart(tiny_llama, tiny_run, tmp
         stale = time.time() - source.STALE_DOWNLOAD_SECONDS - 5
         for leftover in leftovers:
             os.utime(leftover, (stale, stale))  # as if the restart came a while later
-        hub.delay_per_chunk = 0.0
+        hub.release()
         result = subprocess.run(process.args, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"removed {len(leftovers)} partial download(s) of acme/tiny-llama" in result.stderr

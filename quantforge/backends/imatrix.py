@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ..logs import run_logged
-from ..openmp import wait_passively
+from ..openmp import wait_briefly
 from . import Intermediate, QuantizeJob
 from .llamacpp import (
     F16_GGUF,
@@ -52,7 +52,7 @@ def calibration_text(job: QuantizeJob) -> tuple[str, int, int]:
 
 
 def _run_tool(command: list[str], log_path: Path, what: str, cwd: Path | None = None) -> str:
-    wait_passively()
+    wait_briefly()
     return run_logged(command, log_path, what, cwd)
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import QuantforgeError
 from ..logs import capture_output
-from ..openmp import wait_passively
+from ..openmp import wait_briefly
 from . import Backend, Deployment, Format, Intermediate, LogitsRunner, QuantizeJob
 
 GGUF_RUNTIMES = ("llama.cpp", "ollama")
@@ -51,7 +51,7 @@ def tensor_types(gguf_path: Path) -> dict[str, str]:
 
 def quantize_gguf(source: Path, target: Path, ftype: int, threads: int, log_path: Path) -> dict:
     """Run llama.cpp's quantizer; return how many tensors fell back to another type."""
-    wait_passively()  # before llama.cpp's library starts its threads (openmp.py)
+    wait_briefly()  # before llama.cpp's library starts its threads (openmp.py)
     import ctypes
 
     import llama_cpp
@@ -72,14 +72,14 @@ def fallback_tensors(quantizer_output: str) -> int:
     return int(fallback[-1][0]) if fallback else 0
 
 
-LOGIT_ROWS = 128  # positions decoded at a time by the evaluation
+LOGIT_ROWS = 256  # positions decoded at a time by the evaluation (see docs/design.md for why 256)
 
 
 class LlamaCppRunner:
     runtime = "llama.cpp"
 
     def __init__(self, gguf_path: Path, *, context: int, threads: int, device: str = "cpu"):
-        wait_passively()
+        wait_briefly()
         import llama_cpp
         from llama_cpp import Llama
 
