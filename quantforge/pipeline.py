@@ -637,7 +637,10 @@ class Build:
             cause = f"the checkpoint stores non-finite weights: {describe_non_finite(found)}"
             advice = "repair or re-download the checkpoint"
         else:
-            cause = "every stored weight is finite, so the float32 forward itself overflows"
+            cause = (
+                "every stored weight is finite, so the float32 forward overflows or the model gives the next token "
+                "no probability at all"
+            )
             advice = "check the model in transformers on this text"
         return QuantforgeError(f"{exc}; {cause}; {advice} (nothing was quantized)")
 
