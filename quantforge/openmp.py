@@ -11,7 +11,7 @@ The passive policy that cured that (threads sleep at once) cost 12% on an idle h
 puts a thread to sleep and wakes it: the GGUF evaluation was llama.cpp's own ``llama-perplexity`` plus 11-14%.
 A short spin keeps both. Measured on SmolLM2-135M Q8_0 in llama.cpp (512-token windows decoded 256 positions
 at a time, 2 threads, 2 cores), seconds a window:
-- libgomp's default (spin 300,000): idle 1.12-1.20, one other busy process 3.7-4.1, two 10.9;
+- libgomp's default (spin 300,000): idle 1.12-1.21, one other busy process 3.7-4.1, two 10.9;
 - passive: idle 1.23-1.41, one busy 2.2, two 3.5;
 - ``GOMP_SPINCOUNT=1000``: idle 1.12, one busy 2.3, two 2.4.
 (Idle: eight windows in 9.0 s against 10.8 s passive.) So our own processes spin 1000 rounds unless the
