@@ -259,10 +259,9 @@ def _put_back(first: np.ndarray, blocks: Iterator[np.ndarray]) -> Iterator[np.nd
 class NonFiniteLogits(QuantforgeError):
     """A window's figures came out NaN or infinite: its logits hold NaN or infinity where it matters, and no mean,
     interval or recommendation built on them would mean anything (a NaN perplexity once reached the card as
-    "missed perplexity_increase_pct nan%"). ``window`` and ``position`` say where it was first seen."""
+    "missed perplexity_increase_pct nan%"). The message says where it was first seen."""
 
     def __init__(self, what: str, window: int, position: int, value: float):
-        self.window, self.position = window, position
         super().__init__(
             f"{what} at window {window + 1}, position {position + 1} is {value}: its logits hold NaN or infinity"
         )
@@ -279,7 +278,7 @@ def check_finite(whose: str, window: int, **figures: np.ndarray) -> None:
         if bad.size:
             row = int(bad[0])
             what = f"{whose} {name.replace('_', ' ')}"
-            raise NonFiniteLogits(what, window, row, float(np.ravel(values[row])[0]))
+            raise NonFiniteLogits(what, window, row, float(values[row]))
 
 
 def reference_window(

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 WAIT_POLICY = "OMP_WAIT_POLICY"
 SPIN_COUNT = "GOMP_SPINCOUNT"
 OUR_SPIN_COUNT = "1000"
-OURS = "QUANTFORGE_SET_OMP_WAIT_POLICY"  # present while GOMP_SPINCOUNT holds our setting, not the user's
+OURS = "QUANTFORGE_SET_GOMP_SPINCOUNT"  # present while GOMP_SPINCOUNT holds our setting, not the user's
 DEFAULT = "default"  # how a figure records that the policy was left to libgomp
 
 
