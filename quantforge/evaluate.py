@@ -151,6 +151,14 @@ def scored_logit_blocks(runner, tokens: np.ndarray) -> LogitRows:
     return runner.logits(tokens)
 
 
+def last_logits(runner, tokens: np.ndarray, rows: int) -> np.ndarray:
+    """The logits of a window's last ``rows`` positions from ``runner``: computed for those alone when it offers
+    ``last_logits`` (a task's continuation needs a few rows of a window's logits), else cut from its ``logits``."""
+    if hasattr(runner, "last_logits"):
+        return runner.last_logits(tokens, rows)
+    return runner.logits(tokens)[-rows:]
+
+
 def _row_blocks(logits: LogitRows, scored: int):
     """(first position, rows) of ``ROW_CHUNK`` rows (fewer only at the end) for the ``scored`` positions, in order,
     from an array of every position's logits or from consecutive blocks of rows of any size.

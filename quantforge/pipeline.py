@@ -920,9 +920,17 @@ class Build:
         context = max(int(windows.shape[1]), TASK_CONTEXT if self.plan.tasks["names"] else 0)
 
         def open_runner():
-            with capture_output(self.paths.log(f"evaluate-{choice.key}")):
-                return choice.backend.open_runner(
-                    artifact_dir, context=context, threads=self.plan.threads, device=self.plan.device
+            from .runner_process import ChildRunner
+
+            log = self.paths.log(f"evaluate-{choice.key}")
+            with capture_output(log):  # the child's output (the runtime's own lines) goes to the format's log
+                return ChildRunner(
+                    choice.backend.name,
+                    artifact_dir,
+                    context=context,
+                    threads=self.plan.threads,
+                    device=self.plan.device,
+                    log_path=log,
                 )
 
         inputs = {

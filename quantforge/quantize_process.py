@@ -6,26 +6,21 @@ crash, and the kernel's out-of-memory killer ends the process that grew. In a ch
 line about that format, and the build goes on to the next. The child also takes the quantizer's library and
 whatever it kept alive with it when it exits, so later stages of the build never carry them.
 
-The parent (``quantize_in_child``) sends the job as JSON on the child's stdin and reads JSON lines from a pipe:
-``{"log": ...}`` for the build's log, then ``{"result": ...}`` or ``{"error": ...}``. The child's stdout and stderr
-are the parent's, which the pipeline has pointed at the format's log, where the library's output and progress go.
+The parent (``quantize_in_child``) sends the job as JSON on the child's stdin and reads JSON lines from a pipe
+(``child.start_child``): ``{"log": ...}`` for the build's log, then ``{"result": ...}`` or ``{"error": ...}``. The
+child's stdout and stderr are the format's log, where the library's output and progress go.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 import traceback
 from pathlib import Path
 
 from .backends import QuantizeJob
+from .child import child_messages, die_with_parent, end_child, error_record, how_it_ended, rebuilt_error, start_child
 from .errors import QuantforgeError
-
-# How many lines at the end of the log are searched for the reason a child gave before it exited.
-LOG_TAIL_LINES = 200
 
 
 def job_spec(job: QuantizeJob, backend: str, intermediates: dict[str, Path]) -> dict:
@@ -88,16 +83,10 @@ def quantize_in_child(job: QuantizeJob, backend: str, intermediates: dict[str, P
     """
     from .memory import note_child_peak
 
-    read_end, write_end = os.pipe()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "quantforge.quantize_process", str(write_end)],
-        stdin=subprocess.PIPE,
-        pass_fds=(write_end,),
-    )
-    os.close(write_end)
+    process, messages = start_child("quantforge.quantize_process")
     answer: dict = {}
     try:
-        with os.fdopen(read_end, "rb") as messages:
+        with messages:
             try:
                 process.stdin.write(json.dumps(job_spec(job, backend, intermediates)).encode())
                 process.stdin.close()
@@ -114,9 +103,7 @@ def quantize_in_child(job: QuantizeJob, backend: str, intermediates: dict[str, P
                     answer = message
         process.wait()
     finally:
-        if process.returncode is None:
-            process.kill()
-            process.wait()
+        end_child(process)
     if answer.get("peak_rss_bytes"):
         # The child's own figure: wait4's ru_maxrss would carry the build's resident size from the fork.
         note_child_peak(answer["peak_rss_bytes"])
@@ -127,72 +114,9 @@ def quantize_in_child(job: QuantizeJob, backend: str, intermediates: dict[str, P
     raise QuantforgeError(how_it_ended(process.returncode, log_path))
 
 
-def rebuilt_error(error: dict) -> Exception:
-    """The child's exception as one the pipeline treats the same way (failures.is_environment_error): a full disk
-    or exhausted memory still stops the build, anything else fails the format."""
-    line = error["line"]
-    if error.get("environment"):
-        return OSError(error["errno"], line) if error.get("errno") else MemoryError(line)
-    return QuantforgeError(line)
-
-
-def how_it_ended(returncode: int, log_path: Path) -> str:
-    """One line for a child that ended without an answer: the signal or exit status, and why where it is known."""
-    if returncode < 0:
-        name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else f"signal {-returncode}"
-        if -returncode == signal.SIGKILL:
-            return (
-                f"the quantizer's process was killed ({name}), most likely by the system for lack of memory; "
-                "see --plan-only for what each stage needs, or use a machine with more memory"
-            )
-        return f"the quantizer's process was ended by {name}"
-    reason = last_error_line(log_path)
-    said = f": {reason}" if reason else ""
-    return f"the quantizer's process exited with status {returncode} before it finished{said}"
-
-
-def last_error_line(log_path: Path) -> str | None:
-    """The last line of a Python traceback in the log (``ValueError: ...``), the reason a library gave before it
-    ended the process itself (GPTQModel prints the traceback, then calls os._exit)."""
-    try:
-        lines = log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
-    except OSError:
-        return None
-    in_traceback = False
-    reason = None
-    for line in lines:
-        if line.startswith("Traceback (most recent call last)"):
-            in_traceback = True
-        elif in_traceback and line and not line.startswith((" ", "\t")):
-            reason, in_traceback = " ".join(line.split())[:400], False
-    return reason
-
-
-def _error_record(exc: BaseException) -> dict:
-    from .failures import is_environment_error, last_line
-
-    return {"line": last_line(exc), "environment": is_environment_error(exc), "errno": getattr(exc, "errno", None)}
-
-
-def _die_with_parent() -> None:
-    """Linux: the kernel sends this process SIGKILL when the build that started it dies (killed with SIGKILL, say),
-    so no orphan goes on writing into a run that a later build has taken over."""
-    try:
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
-
-
 def main() -> int:
-    _die_with_parent()
-    messages = os.fdopen(int(sys.argv[1]), "w")
-
-    def send(message: dict) -> None:
-        messages.write(json.dumps(message) + "\n")
-        messages.flush()
+    die_with_parent()
+    send = child_messages(int(sys.argv[1]))
 
     from .errors import interrupts_kept
     from .memory import _high_water_bytes, import_transformers_slim
@@ -209,7 +133,7 @@ def main() -> int:
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the build as one line
         traceback.print_exc()
         sys.stderr.flush()
-        send({"error": _error_record(exc), "peak_rss_bytes": _high_water_bytes()})
+        send({"error": error_record(exc), "peak_rss_bytes": _high_water_bytes()})
         return 1
     send({"result": facts, "peak_rss_bytes": _high_water_bytes()})
     return 0

@@ -104,6 +104,15 @@ GGUF_QUANTIZE_PROCESS_BYTES = 0.12 * GB
 # What a torch quantizer's child spends before its backend's quantize() starts: Python, quantforge and the slim
 # transformers import (measured 4.8 s here; QUANTIZE_START_SECONDS, fitted on quantize() alone, has the rest).
 TORCH_QUANTIZER_PROCESS_SECONDS = 4.8
+# Each artifact is evaluated by its runtime in a child process (runner_process) while the build scores the logits
+# it sends: the child's libraries before any model, and the seconds it takes to start. Measured here: llama.cpp's
+# (Python, numpy, llama-cpp-python) 41-43 MB and 0.2-0.35 s; transformers' (torch and the slim transformers import)
+# 0.44 GB and about 3.2 s with a tiny model.
+RUNTIME_PROCESS_BYTES = {"llama.cpp": 0.05 * GB, "transformers": 0.44 * GB}
+RUNTIME_PROCESS_SECONDS = {"llama.cpp": 0.3, "transformers": 3.2}
+# The positions whose logits a task request needs: its answer's (runners' last_logits), a few dozen tokens in the
+# bundled tasks' choices; a generation step needs one.
+TASK_ANSWER_ROWS = 64
 FLOAT32_MEMORY_MARGIN = 1.2  # the plan's memory goal: a float32 calibration is chosen only this far inside memory
 CONVERT_SECONDS_PER_GB = 10.8  # llama.cpp's converter: reads the checkpoint, writes F16 (fitted, as above)
 GGUF_QUANTIZE_PARAMETERS_PER_SECOND = 43e6  # llama_model_quantize from F16, per thread (fitted, as above)
@@ -253,13 +262,23 @@ def _logits_bytes(size: ModelSize, positions: int) -> int:
     return positions * size.vocab_size * 4
 
 
-def _torch_window_bytes(size: ModelSize, context: int, logit_rows: int) -> int:
-    """Scratch for one window in torch: ``logit_rows`` positions' logits, the float64 rows compared at a time (three
-    reused buffers and the top-token search's index array), the widest activations."""
+def _scoring_bytes(size: ModelSize) -> int:
+    """The comparison's scratch: the float64 rows compared at a time (three reused buffers and the top-token search's
+    index array)."""
     from .evaluate import ROW_CHUNK
 
-    rows = ROW_CHUNK * size.vocab_size * 8 * 4
-    return _logits_bytes(size, logit_rows) + rows + context * size.intermediate_size * 4 * 2
+    return ROW_CHUNK * size.vocab_size * 8 * 4
+
+
+def _activation_bytes(size: ModelSize, context: int) -> int:
+    """The widest activations of a window's forward in torch."""
+    return context * size.intermediate_size * 4 * 2
+
+
+def _torch_window_bytes(size: ModelSize, context: int, logit_rows: int) -> int:
+    """Scratch for one window scored in torch in the build's process: ``logit_rows`` positions' logits, the
+    comparison's rows, the widest activations."""
+    return _logits_bytes(size, logit_rows) + _scoring_bytes(size) + _activation_bytes(size, context)
 
 
 def _llama_window_bytes(size: ModelSize, context: int) -> int:
@@ -315,6 +334,7 @@ def _torch_quantize_seconds(size: ModelSize, method: str, slowdown: float, gemm_
 def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dtype: str) -> list[StagePlan]:
     """Every stage of the build in run order, with its predicted seconds, peak resident memory and disk; the formats
     in ``inputs.follows_dtype`` calibrate in ``chosen_dtype`` (quantize_dtype)."""
+    from .backends.llamacpp import LOGIT_ROWS
     from .runners import HEAD_ROWS
 
     flop_seconds = 2 * size.parameters / (host.gemm_gflops * 1e9)  # one token through the model at GEMM speed
@@ -323,6 +343,7 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
     base = process_base_bytes(size)
     widened = min(size.hidden_size * size.intermediate_size * 4, 64 << 20)  # one module (or LM-head slice) widened
     on_gpu = inputs.device.startswith("cuda")
+    task_rows = min(inputs.context, TASK_ANSWER_ROWS)
     bf16_emulated = not on_gpu and host.cpu_bf16 is False  # torch emulates bf16 multiplies on this CPU
     stages = [
         StagePlan("fetch", FIXED_SECONDS["fetch"], int(FETCH_RSS), size.stored_bytes, note="download not timed"),
@@ -330,13 +351,37 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
     ]
 
     def torch_stage(key: str, factor: str, tokens: int, held: int, fixed: str) -> StagePlan:
-        # Scoring a window holds a block of its logits at a time (TorchRunner.scored_logits); tasks, a window's.
-        logit_rows = inputs.context if factor == "tasks" else min(inputs.context, HEAD_ROWS)
+        """The reference's stages, run in the build's process."""
+        # Scoring a window holds a block of its logits at a time (TorchRunner.scored_logits); a task, its answer's.
+        logit_rows = task_rows if factor == "tasks" else min(inputs.context, HEAD_ROWS)
         rss = base + held + widened + _torch_window_bytes(size, inputs.context, logit_rows)
         seconds = FIXED_SECONDS[fixed] + TIME_FACTORS[factor] * flop_seconds * tokens
         if on_gpu:  # weights and activations on the GPU; host memory holds the libraries and the logits in hand
             return StagePlan(key, seconds, base + _logits_bytes(size, logit_rows), 0, rss - base)
         return StagePlan(key, seconds, rss)
+
+    def runtime_stage(key: str, runtime: str, seconds: float, held: int, logit_rows: int, tasks: bool) -> StagePlan:
+        """An artifact's evaluation or task: its runtime in a child holds the model and its scratch (``held``);
+        ``logit_rows`` of its logits at a time, at most ``SHARED_ROWS``, cross through memory the build maps too
+        and scores (a task's answer's rows are copied first)."""
+        from .runner_process import SHARED_ROWS
+
+        logits = _logits_bytes(size, min(logit_rows, SHARED_ROWS))
+        beside = base + logits * (2 if tasks else 1) + _scoring_bytes(size)
+        child_base = int(RUNTIME_PROCESS_BYTES[runtime])
+        if not tasks:  # the tasks follow in the child the evaluation started
+            seconds += RUNTIME_PROCESS_SECONDS[runtime]
+        if on_gpu and runtime == "transformers":  # the model and its activations on the GPU
+            plan = _child_stage(key, seconds, beside, child_base, child_base + logits, 0)
+            plan.vram_bytes = held
+            return plan
+        return _child_stage(key, seconds, beside, child_base, child_base + held, 0)
+
+    def torch_runtime_stage(key: str, factor: str, tokens: int, held: int) -> StagePlan:
+        logit_rows = task_rows if factor == "tasks" else min(inputs.context, HEAD_ROWS)
+        seconds = FIXED_SECONDS["evaluate"] + TIME_FACTORS[factor] * flop_seconds * tokens
+        held += widened + _logits_bytes(size, logit_rows) + _activation_bytes(size, inputs.context)
+        return runtime_stage(key, "transformers", seconds, held, logit_rows, factor == "tasks")
 
     reference_weights = _resident_weights(size)
     stages.append(torch_stage(REFERENCE, "reference", eval_tokens, reference_weights, "reference"))
@@ -374,9 +419,12 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
             work = narrow * eval_tokens * (ggml_seconds or flop_seconds)
             factor = TIME_FACTORS["evaluate/gguf" if ggml_seconds else "evaluate/gguf-by-gemm"]
             seconds = FIXED_SECONDS["evaluate"] + factor * work
-            stages.append(
-                StagePlan(evaluate_stage(key), seconds, base + artifact + _llama_window_bytes(size, inputs.context))
-            )
+            held = artifact + _llama_window_bytes(size, inputs.context)
+            rows = min(inputs.context, LOGIT_ROWS)
+            stages.append(runtime_stage(evaluate_stage(key), "llama.cpp", seconds, held, rows, tasks=False))
+            for task in inputs.tasks:
+                seconds = FIXED_SECONDS["evaluate"]
+                stages.append(runtime_stage(tasks_stage(key, task), "llama.cpp", seconds, held, task_rows, True))
         else:
             method = next((m for m in ("int8", "awq") if key.startswith(m)), "gptq")
             calibration = max(inputs.calibration_tokens, 1)
@@ -396,11 +444,10 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
             stages.append(plan)
             # Packed weights, plus the unquantized embedding table (and LM head, when untied) in 16 bits.
             unquantized = size.vocab_size * size.hidden_size * 2 * (1 if size.tie_word_embeddings else 2)
-            stages.append(
-                torch_stage(evaluate_stage(key), "evaluate/torch", eval_tokens, artifact + unquantized, "evaluate")
-            )
-        for task in inputs.tasks:
-            stages.append(torch_stage(tasks_stage(key, task), "tasks", 0, artifact, "evaluate"))
+            held = artifact + unquantized
+            stages.append(torch_runtime_stage(evaluate_stage(key), "evaluate/torch", eval_tokens, held))
+            for task in inputs.tasks:
+                stages.append(torch_runtime_stage(tasks_stage(key, task), "tasks", 0, held))
     if inputs.speed_tokens:
         for key in [REFERENCE, *bits_of]:
             seconds = FIXED_SECONDS["speed"] + 3 * flop_seconds * inputs.speed_tokens

@@ -43,6 +43,17 @@ class TorchRunner:
             # forward's peak (about 0.5 GB at 2048 positions for an 8B model with grouped-query attention).
             return self.model(input_ids=ids, use_cache=False).logits[0].float().cpu().numpy()
 
+    def last_logits(self, tokens: np.ndarray, rows: int) -> np.ndarray:
+        """The logits of the window's last ``rows`` positions (a task's continuation): the model's head runs on
+        those alone where its forward takes ``logits_to_keep``."""
+        import torch
+
+        if "logits_to_keep" not in inspect.signature(self.model.forward).parameters:
+            return self.logits(tokens)[-rows:]
+        with torch.inference_mode():
+            logits = self.model(input_ids=self._ids(tokens), use_cache=False, logits_to_keep=rows).logits[0]
+        return logits.float().cpu().numpy()
+
     def _ids(self, tokens: np.ndarray):
         """One window's token ids as the batch of one the model takes, on its device."""
         import torch

@@ -24,7 +24,7 @@ import numpy as np
 import yaml
 
 from .errors import QuantforgeError
-from .evaluate import log_softmax
+from .evaluate import last_logits, log_softmax
 from .logs import capture_output
 from .paths import find_definitions
 
@@ -110,8 +110,7 @@ def make_runner_lm(runner, tokenizer, max_length: int, on_request=None):
                     on_request(index, len(requests))
                 context_ids, continuation_ids = self._encode_pair(*request.args)
                 tokens = (context_ids + continuation_ids)[-(max_length + 1) :]
-                logits = runner.logits(np.asarray(tokens[:-1], dtype=np.int32))
-                scored = logits[-len(continuation_ids) :]
+                scored = last_logits(runner, np.asarray(tokens[:-1], dtype=np.int32), len(continuation_ids))
                 logp = log_softmax(scored)
                 targets = np.asarray(continuation_ids)
                 total = float(logp[np.arange(len(targets)), targets].sum())
@@ -147,7 +146,7 @@ def greedy_generate(runner, tokenizer, context: str, settings: dict, max_length:
     generated: list[int] = []
     for _ in range(int(settings.get("max_gen_toks", 256))):
         window = (prompt + generated)[-max_length:]
-        next_id = int(runner.logits(np.asarray(window, dtype=np.int32))[-1].argmax())
+        next_id = int(last_logits(runner, np.asarray(window, dtype=np.int32), 1)[-1].argmax())
         if next_id == tokenizer.eos_token_id:
             break
         generated.append(next_id)

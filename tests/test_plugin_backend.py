@@ -97,12 +97,15 @@ class RTNBackend(HFFolderBackend):
 # Quantizers that end their own process, the ways a real one does: GPTQModel's worker pool ends the process with
 # os._exit(1) when a task raises (here a matmul of shapes that do not multiply, run on that very pool), and the
 # kernel's out-of-memory killer sends SIGKILL (here sent by the process to itself, half-way through writing).
+# And a runtime that aborts half-way through an evaluation (llama.cpp's own runner, then C's abort()).
 CRASH_MODULE = """
+import itertools
 import os
 import signal
 
 from quantforge.backends import Format
 from quantforge.backends.hf import HFFolderBackend
+from quantforge.backends.llamacpp import GGUF_RUNTIMES, LlamaCppBackend, LlamaCppRunner, quantize_gguf
 
 
 def multiply(a, b):
@@ -130,6 +133,29 @@ class CrashBackend(HFFolderBackend):
 
         task = get_device_thread_pool().submit(torch.device("cpu"), multiply, torch.ones(2, 3), torch.ones(2, 3))
         return task.result()
+
+
+class AbortingRunner(LlamaCppRunner):
+    # llama.cpp itself, aborting in C after its first block of logits, as it does on a failed GGML_ASSERT
+
+    def scored_logits(self, tokens):
+        yield from itertools.islice(super().scored_logits(tokens), 1)
+        os.abort()
+
+
+class AbortingRuntimeBackend(LlamaCppBackend):
+    name = "abort-demo"
+    formats = {
+        "gguf-abort": Format("gguf-abort", "gguf", "Q8_0", GGUF_RUNTIMES, 8.5, "aborts in evaluation (test)", "GGUF")
+    }
+
+    def quantize(self, job):
+        job.out.mkdir(parents=True)
+        target = job.out / f"{job.source.name}-Q8_0.gguf"
+        return quantize_gguf(job.intermediate("gguf-f16"), target, 7, job.threads, job.log_dir / "abort.log")
+
+    def open_runner(self, artifact_dir, *, context, threads, device="cpu"):
+        return AbortingRunner(self.artifact_file(artifact_dir), context=context, threads=threads, device=device)
 """
 
 
@@ -158,6 +184,7 @@ def plugin_site(tmp_path_factory):
             q40-demo = "qf_demo.q40:Q40Backend"
             rtn-demo = "qf_demo.rtn:RTNBackend"
             crash-demo = "qf_demo.crash:CrashBackend"
+            abort-demo = "qf_demo.crash:AbortingRuntimeBackend"
             """
         )
     )
@@ -257,3 +284,27 @@ def test_a_quantizer_that_ends_its_process_fails_its_format_and_the_build_goes_o
     made = read_json(run / "run.json")["stages"]["quantize/gguf-q8_0"]["started"]
     assert quantforge_cli(*args, env=env).returncode == 3
     assert read_json(run / "run.json")["stages"]["quantize/gguf-q8_0"]["started"] == made
+
+
+def test_a_runtime_that_aborts_in_evaluation_fails_its_format_and_the_build_goes_on(plugin_site, tiny_llama, tmp_path):
+    env = {"PYTHONPATH": str(plugin_site)}
+    run = tmp_path / "run"
+    args = ["build", str(tiny_llama), "--out", str(run), "--formats", "gguf-abort,gguf-q8_0", *FAST_EVAL]
+    result = quantforge_cli(*args, env=env)
+    assert result.returncode == 3, result.stderr[-3000:]
+    failure = read_json(run / "run.json")["failures"]["gguf-abort"]
+    assert failure["stage"] == "evaluate"
+    assert failure["error"] == "the evaluation runtime's process was ended by SIGABRT"
+    assert failure["line"].startswith("gguf-abort: evaluate failed in llama_cpp_python ")
+    assert "✗ gguf-abort: evaluate failed" in result.stderr
+    card = read_json(run / "card.json")
+    entries = {entry["key"]: entry for entry in card["formats"]}
+    assert "metrics" not in entries["gguf-abort"]
+    assert entries["gguf-q8_0"]["metrics"]["tokens_scored"] == card["reference"]["tokens_scored"]
+    assert card["decision"]["recommended"] == "gguf-q8_0"
+    # the artifact was made and stays: the same command evaluates it again, and quantizes nothing
+    stages = read_json(run / "run.json")["stages"]
+    assert "evaluate/gguf-abort" not in stages
+    made = stages["quantize/gguf-abort"]["started"]
+    assert quantforge_cli(*args, env=env).returncode == 3
+    assert read_json(run / "run.json")["stages"]["quantize/gguf-abort"]["started"] == made

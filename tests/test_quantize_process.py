@@ -8,8 +8,9 @@ import signal
 import pytest
 
 from quantforge.backends import QuantizeJob, load_backend
+from quantforge.child import how_it_ended, last_error_line
 from quantforge.errors import QuantforgeError
-from quantforge.quantize_process import how_it_ended, last_error_line, quantize_in_child
+from quantforge.quantize_process import quantize_in_child
 from quantforge.source import SourceModel
 
 CHAINED = """loading layer 3
@@ -66,11 +67,11 @@ def test_an_error_in_the_child_comes_back_as_one_line(tiny_llama, tmp_path):
 def test_memory_and_disk_errors_in_the_child_still_stop_the_build():
     import errno
 
+    from quantforge.child import error_record, rebuilt_error
     from quantforge.failures import is_environment_error
-    from quantforge.quantize_process import _error_record, rebuilt_error
 
     for raised in (MemoryError("no room"), OSError(errno.ENOSPC, "No space left on device")):
-        rebuilt = rebuilt_error(_error_record(raised))
+        rebuilt = rebuilt_error(error_record(raised))
         assert type(rebuilt) is type(raised) and is_environment_error(rebuilt)
-    assert type(rebuilt_error(_error_record(OSError(errno.ENOENT, "gone")))) is QuantforgeError
-    assert str(rebuilt_error(_error_record(ValueError("bad shape")))) == "ValueError: bad shape"
+    assert type(rebuilt_error(error_record(OSError(errno.ENOENT, "gone")))) is QuantforgeError
+    assert str(rebuilt_error(error_record(ValueError("bad shape")))) == "ValueError: bad shape"

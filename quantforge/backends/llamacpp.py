@@ -121,6 +121,28 @@ class LlamaCppRunner:
         ids = [int(t) for t in tokens]
         return (rows for _, rows in self._decode(ids, len(ids) - 1))
 
+    def last_logits(self, tokens: np.ndarray, rows: int) -> np.ndarray:
+        """The logits of the window's last ``rows`` positions (a task's continuation), a copy the caller keeps.
+        llama.cpp computes its output layer for those positions alone (and for each block's last, which it always
+        does), not for the whole window."""
+        ids = [int(t) for t in tokens]
+        first, vocab = len(ids) - rows, self.llm.n_vocab()
+        out = np.empty((rows, vocab), dtype=np.float32)
+        context, batch, step = self.llm._ctx, self.llm._batch, self.llm.n_batch
+        context.kv_cache_clear()
+        for start in range(0, len(ids), step):
+            block = ids[start : start + step]
+            batch.set_batch(batch=block, n_past=start, logits_all=False)  # the block's last position only
+            outputs = [i for i in range(len(block)) if start + i >= first or i == len(block) - 1]
+            for i in outputs:
+                batch.batch.logits[i] = True
+            context.decode(batch)
+            got = np.ctypeslib.as_array(context.get_logits(), shape=(len(outputs) * vocab,)).reshape(-1, vocab)
+            for row, i in enumerate(outputs):
+                if start + i >= first:
+                    out[start + i - first] = got[row]
+        return out
+
     def _decode(self, ids: list[int], wanted: int):
         """(first position, logits rows) for positions [0, wanted), decoding ``ids`` from an empty cache."""
         context, batch, vocab = self.llm._ctx, self.llm._batch, self.llm.n_vocab()
