@@ -73,12 +73,16 @@ class LogitsBuffer:
         self.mapping, self.size = mmap.mmap(self.fd, size), size
 
     def write(self, rows: np.ndarray) -> None:
+        if not rows.size:
+            return
         if rows.nbytes > self.size:
             os.ftruncate(self.fd, rows.nbytes)
             self._map(rows.nbytes)
         np.copyto(self.view(*rows.shape), rows, casting="same_kind")
 
     def read(self, rows: int, vocab: int) -> np.ndarray:
+        if not rows * vocab:
+            return np.empty((rows, vocab), dtype=np.float32)
         if rows * vocab * 4 > self.size:
             self._map(os.fstat(self.fd).st_size)
         return self.view(rows, vocab)
