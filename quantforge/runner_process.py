@@ -222,6 +222,8 @@ def _pieces(blocks) -> Iterator[np.ndarray]:
 
 def _serve(runner, buffer: LogitsBuffer, send) -> None:
     """Answer requests until stdin closes (see the module's docstring)."""
+    from .evaluate import last_logits, scored_logit_blocks
+
     stream = None  # the blocks of a "scored" request still to come
     for line in sys.stdin:
         request = json.loads(line)
@@ -233,12 +235,8 @@ def _serve(runner, buffer: LogitsBuffer, send) -> None:
             if op == "logits":
                 rows = runner.logits(np.asarray(request["tokens"], dtype=np.int32))
             elif op == "last":
-                from .evaluate import last_logits
-
                 rows = last_logits(runner, np.asarray(request["tokens"], dtype=np.int32), request["rows"])
             elif op == "scored":
-                from .evaluate import scored_logit_blocks
-
                 stream = _pieces(scored_logit_blocks(runner, np.asarray(request["tokens"], dtype=np.int32)))
                 rows = next(stream, None)
             else:

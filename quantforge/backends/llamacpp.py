@@ -126,25 +126,11 @@ class LlamaCppRunner:
         llama.cpp computes its output layer for those positions alone (and for each block's last, which it always
         does), not for the whole window."""
         ids = [int(t) for t in tokens]
-        first, vocab = len(ids) - rows, self.llm.n_vocab()
-        out = np.empty((rows, vocab), dtype=np.float32)
-        context, batch, step = self.llm._ctx, self.llm._batch, self.llm.n_batch
-        context.kv_cache_clear()
-        for start in range(0, len(ids), step):
-            block = ids[start : start + step]
-            batch.set_batch(batch=block, n_past=start, logits_all=False)  # the block's last position only
-            outputs = [i for i in range(len(block)) if start + i >= first or i == len(block) - 1]
-            for i in outputs:
-                batch.batch.logits[i] = True
-            context.decode(batch)
-            got = np.ctypeslib.as_array(context.get_logits(), shape=(len(outputs) * vocab,)).reshape(-1, vocab)
-            for row, i in enumerate(outputs):
-                if start + i >= first:
-                    out[start + i - first] = got[row]
-        return out
+        return np.concatenate([block.copy() for _, block in self._decode(ids, len(ids), first=len(ids) - rows)])
 
-    def _decode(self, ids: list[int], wanted: int):
-        """(first position, logits rows) for positions [0, wanted), decoding ``ids`` from an empty cache."""
+    def _decode(self, ids: list[int], wanted: int, first: int = 0):
+        """(first position, logits rows) for positions [first, wanted), decoding ``ids`` from an empty cache; a
+        block's positions before ``first`` get no output (but its last, which llama.cpp always computes)."""
         context, batch, vocab = self.llm._ctx, self.llm._batch, self.llm.n_vocab()
         context.kv_cache_clear()
         step = self.llm.n_batch
@@ -152,10 +138,15 @@ class LlamaCppRunner:
             if start >= wanted:
                 return  # the rest would only extend the cache
             block = ids[start : start + step]
-            batch.set_batch(batch=block, n_past=start, logits_all=True)
+            skipped = min(max(0, first - start), len(block))  # leading positions without output
+            batch.set_batch(batch=block, n_past=start, logits_all=skipped == 0)
+            for i in range(skipped, len(block)):
+                batch.batch.logits[i] = True
             context.decode(batch)
-            rows = np.ctypeslib.as_array(context.get_logits(), shape=(len(block) * vocab,)).reshape(len(block), vocab)
-            yield start, rows[: wanted - start]
+            outputs = max(1, len(block) - skipped)
+            rows = np.ctypeslib.as_array(context.get_logits(), shape=(outputs * vocab,)).reshape(outputs, vocab)
+            if skipped < len(block):
+                yield start + skipped, rows[: wanted - start - skipped]
 
     def close(self) -> None:
         from ..memory import release_freed_memory
