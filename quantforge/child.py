@@ -23,13 +23,13 @@ from .errors import QuantforgeError
 LOG_TAIL_LINES = 200
 
 
-def start_child(module: str, *args: str, pass_fds: tuple[int, ...] = ()) -> tuple[subprocess.Popen, BinaryIO]:
-    """``python -m module <message fd> *args`` with a pipe on its stdin; returns it and the end its messages come
-    out of. ``pass_fds`` are further descriptors the child inherits."""
+def start_child(module: str, pass_fds: tuple[int, ...] = ()) -> tuple[subprocess.Popen, BinaryIO]:
+    """``python -m module <message fd>`` with a pipe on its stdin (its job comes that way); returns it and the end
+    its messages come out of. ``pass_fds`` are further descriptors the child inherits."""
     read_end, write_end = os.pipe()
     try:
         process = subprocess.Popen(
-            [sys.executable, "-m", module, str(write_end), *args],
+            [sys.executable, "-m", module, str(write_end)],
             stdin=subprocess.PIPE,
             pass_fds=(write_end, *pass_fds),
         )

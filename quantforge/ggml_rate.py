@@ -36,6 +36,13 @@ def ggml_library_dir() -> Path | None:
     return folder if (folder / "libggml-base.so").exists() and (folder / "libggml-cpu.so").exists() else None
 
 
+def ggml_offloads_to_cuda() -> bool:
+    """Whether the installed llama.cpp was built with CUDA (its libggml-cuda beside the CPU library), found without
+    importing llama_cpp: the backend then puts every layer on the chosen GPU."""
+    folder = ggml_library_dir()
+    return folder is not None and any(folder.glob("libggml-cuda.so*"))
+
+
 def _measure_in_this_process(library_dir: Path | str, seconds: float, bursts: int = BURSTS) -> float:
     """One thread's GFLOP/s for a Q8_0 weight matrix times float32 activations: the best of ``bursts`` medians of
     repeated multiplies, the bursts ``BURST_GAP`` seconds apart."""

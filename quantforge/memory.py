@@ -5,12 +5,18 @@ stage's peak is read exactly and for free. Child processes (llama.cpp's converte
 through ``getrusage``: the largest child so far, so a stage's child peak is known when it raised that mark. A
 quantizer's child reports its own high-water mark when it ends (``note_child_peak``).
 Elsewhere (macOS, a kernel without clear_refs) the figures are None and nothing else changes.
+
+On a GPU no such mark exists for the device, and a stage's GPU memory is held by a child as often as by this
+process, so ``GpuWatch`` samples the device's used memory in a thread while a build runs (``watch_gpu``): each
+stage's peak above what the device held when the build began, which is what the plan's GPU figures predict.
 """
 
 from __future__ import annotations
 
 import re
 import resource
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 _STATUS = Path("/proc/self/status")
@@ -48,10 +54,18 @@ class StagePeak:
         self.seen: int | None = None
         self.children_before = _children_peak_bytes()
         self.child_noted: int | None = None  # a child's own peak, given by whoever waited for it
+        self.gpu_seen: int | None = None  # the device's used bytes at their highest while this stage ran
         _active.append(self)
+        if _gpu_watch is not None:
+            _gpu_watch.sample()
         return self
 
     def __exit__(self, *exc) -> None:
+        self.gpu_peak_bytes: int | None = None
+        if _gpu_watch is not None:
+            _gpu_watch.sample()
+            if self.gpu_seen is not None:
+                self.gpu_peak_bytes = max(0, self.gpu_seen - _gpu_watch.baseline)
         _active.remove(self)
         current = _high_water_bytes() if self.resettable else None
         self.peak_rss_bytes = max(self.seen or 0, current or 0) or None
@@ -65,6 +79,8 @@ class StagePeak:
         if self.child_noted and self.peak_rss_bytes:
             # The stage's work ran in a child while this process waited beside it: the host held both.
             figures["host_peak_rss_bytes"] = self.peak_rss_bytes + self.child_noted
+        if self.gpu_peak_bytes is not None:
+            figures["gpu_peak_bytes"] = self.gpu_peak_bytes
         return figures
 
 
@@ -75,17 +91,88 @@ def note_child_peak(peak_bytes: int) -> None:
         stage.child_noted = max(stage.child_noted or 0, peak_bytes)
 
 
+class GpuWatch:
+    """Samples a device's used memory (``read_used``, bytes) every ``interval`` seconds in a daemon thread and
+    raises the mark of every running stage. Device-wide: it sees this process and its children alike (and, on a
+    shared GPU, other users' processes too). ``baseline`` is the first reading, the device as the build found it.
+    Memory a stage held for less than an interval can be missed; torch's caching allocator keeps what a stage
+    allocated reserved until it is released, so its peak stays visible."""
+
+    def __init__(self, read_used: Callable[[], int], interval: float = 0.1):
+        self.read_used = read_used
+        self.interval = interval
+        self.baseline = read_used()
+        self.failed: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="quantforge-gpu-watch", daemon=True)
+        self._thread.start()
+
+    def sample(self) -> None:
+        if self.failed is not None:
+            return
+        try:
+            used = int(self.read_used())
+        except Exception as exc:  # a broken device must not end the build from here: its stage fails on its own
+            self.failed = f"{type(exc).__name__}: {exc}"
+            return
+        for stage in list(_active):
+            stage.gpu_seen = max(stage.gpu_seen or 0, used)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval) and self.failed is None:
+            self.sample()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+_gpu_watch: GpuWatch | None = None
+
+
+def watch_gpu(read_used: Callable[[], int] | None) -> None:
+    """Start (or, given None, stop) sampling the device's used memory for every stage from now on."""
+    global _gpu_watch
+    if _gpu_watch is not None:
+        _gpu_watch.stop()
+    _gpu_watch = None
+    if read_used is not None:
+        try:
+            _gpu_watch = GpuWatch(read_used)
+        except Exception:  # a device that cannot be read now fails the stage that uses it, with its own error
+            _gpu_watch = None
+
+
+def cuda_used_bytes(device: str) -> Callable[[], int]:
+    """What a CUDA device holds in all, every process's memory and contexts included (the driver's view)."""
+    import torch
+
+    index = torch.device(device)
+
+    def read() -> int:
+        free, total = torch.cuda.mem_get_info(index)
+        return int(total - free)
+
+    return read
+
+
 def release_freed_memory() -> None:
     """Collect cycles and hand freed heap memory back to the system (glibc keeps it otherwise: measured, a closed
-    0.5B reference left 0.7 GB resident through every later stage of the build)."""
+    0.5B reference left 0.7 GB resident through every later stage of the build), and freed GPU memory back to the
+    device: torch's caching allocator keeps it reserved otherwise, and the next stage's child (a quantizer, an
+    artifact's runtime) could not have it."""
     import ctypes
     import gc
+    import sys
 
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim
         pass
+    torch = sys.modules.get("torch")  # never imported for this: a build that has not used torch has no cache
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 # Packages transformers imports whenever they are installed, for features nothing here uses, and the transformers

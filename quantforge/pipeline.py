@@ -37,7 +37,7 @@ from .evaluate import (
 from .fsutil import atomic_output, atomic_write_json, remove_path
 from .logs import capture_output, follow_progress
 from .manifest import Manifest, RunLock, clean_partials, run_stage
-from .memory import import_transformers_slim
+from .memory import cuda_used_bytes, import_transformers_slim, watch_gpu
 from .quantize_process import quantize_in_child
 from .recipes import Recipe, find_recipe, known_recipes, load_recipe
 from .rundir import (
@@ -388,7 +388,11 @@ class Build:
             self.manifest.data["quantforge_version"] = __version__
             self.manifest.data["resource_plan"] = self.resource_plan
             self.record_fetch()
-            yield
+            watch_gpu(cuda_used_bytes(self.plan.device) if self.plan.device.startswith("cuda") else None)
+            try:
+                yield
+            finally:
+                watch_gpu(None)
             self.manifest.save()
 
     def prepare(self) -> Prepared:

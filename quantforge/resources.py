@@ -110,6 +110,14 @@ TORCH_QUANTIZER_PROCESS_SECONDS = 4.8
 # 0.44 GB and about 3.2 s with a tiny model.
 RUNTIME_PROCESS_BYTES = {"llama.cpp": 0.05 * GB, "transformers": 0.44 * GB}
 RUNTIME_PROCESS_SECONDS = {"llama.cpp": 0.3, "transformers": 3.2}
+# GPU memory that no allocator counts. Every process that computes on a GPU holds a CUDA context of its own: about
+# 0.3-0.43 GB with lazy module loading (CUDA >= 11.7; PyTorch's and other projects' published measurements), plus
+# cuBLAS's handles, workspace and the kernels it loads once it multiplies. A child that evaluates or quantizes on
+# the GPU holds both; the build process's own context was made when the plan read the device's free memory, so
+# it is outside that figure already, and only its kernels are added where it computes (the reference). Published
+# figures, not measured here (no GPU); scripts/device_check.py measures torch's on a GPU.
+CUDA_PROCESS_BYTES = 0.6 * GB
+CUDA_KERNEL_BYTES = 0.15 * GB
 # The positions whose logits a task request needs: its answer's (runners' last_logits), a few dozen tokens in the
 # bundled tasks' choices; a generation step needs one.
 TASK_ANSWER_ROWS = 64
@@ -163,6 +171,7 @@ class HostSpeed:
     gpu_memory_free: int | None = None  # of the chosen CUDA device, when one was chosen
     ggml_gflops: float | None = None  # llama.cpp's Q8_0 multiply, all threads (measured when a GGUF is built)
     cpu_bf16: bool | None = None  # whether the CPU has bf16 multiply instructions (device.cpu_multiplies_bf16)
+    llamacpp_offload: bool = False  # whether GGUF evaluation runs on the chosen CUDA device (a CUDA llama.cpp)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -210,7 +219,7 @@ def gpu_memory_free(device: str) -> int | None:
 def measure_host(threads: int, device: str = "cpu", llamacpp: bool = False) -> HostSpeed:
     """This host's rates and free memory; llama.cpp's own rate only when the build runs llama.cpp (0.5 s)."""
     from .device import cpu_multiplies_bf16
-    from .ggml_rate import measure_ggml_gflops
+    from .ggml_rate import ggml_offloads_to_cuda, measure_ggml_gflops
 
     ggml = measure_ggml_gflops(threads) if llamacpp else None
     return HostSpeed(
@@ -220,6 +229,7 @@ def measure_host(threads: int, device: str = "cpu", llamacpp: bool = False) -> H
         gpu_memory_free(device),
         round(ggml, 2) if ggml else None,
         cpu_multiplies_bf16(),
+        llamacpp and device.startswith("cuda") and ggml_offloads_to_cuda(),
     )
 
 
@@ -343,6 +353,7 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
     base = process_base_bytes(size)
     widened = min(size.hidden_size * size.intermediate_size * 4, 64 << 20)  # one module (or LM-head slice) widened
     on_gpu = inputs.device.startswith("cuda")
+    offload = on_gpu and host.llamacpp_offload
     task_rows = min(inputs.context, TASK_ANSWER_ROWS)
     bf16_emulated = not on_gpu and host.cpu_bf16 is False  # torch emulates bf16 multiplies on this CPU
     stages = [
@@ -356,8 +367,11 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
         logit_rows = task_rows if factor == "tasks" else min(inputs.context, HEAD_ROWS)
         rss = base + held + widened + _torch_window_bytes(size, inputs.context, logit_rows)
         seconds = FIXED_SECONDS[fixed] + TIME_FACTORS[factor] * flop_seconds * tokens
-        if on_gpu:  # weights and activations on the GPU; host memory holds the libraries and the logits in hand
-            return StagePlan(key, seconds, base + _logits_bytes(size, logit_rows), 0, rss - base)
+        if on_gpu:
+            # Weights and activations on the GPU, an untied embedding table whole (a checkpoint is copied there, not
+            # mapped); host memory holds the libraries and the logits in hand.
+            vram = rss - base - held + size.stored_bytes + int(CUDA_KERNEL_BYTES)
+            return StagePlan(key, seconds, base + _logits_bytes(size, logit_rows), 0, vram)
         return StagePlan(key, seconds, rss)
 
     def runtime_stage(key: str, runtime: str, seconds: float, held: int, logit_rows: int, tasks: bool) -> StagePlan:
@@ -373,9 +387,14 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
             seconds += RUNTIME_PROCESS_SECONDS[runtime]
         if on_gpu and runtime == "transformers":  # the model and its activations on the GPU
             plan = _child_stage(key, seconds, beside, child_base, child_base + logits, 0)
-            plan.vram_bytes = held
+            plan.vram_bytes = held + int(CUDA_PROCESS_BYTES)
             return plan
-        return _child_stage(key, seconds, beside, child_base, child_base + held, 0)
+        plan = _child_stage(key, seconds, beside, child_base, child_base + held, 0)
+        if runtime == "llama.cpp" and offload:
+            # Every layer and the compute buffer on the GPU. The host's peak still counts the mapped file: llama.cpp
+            # reads the weights through it before it lets the offloaded ranges go.
+            plan.vram_bytes = held + int(CUDA_PROCESS_BYTES)
+        return plan
 
     def torch_runtime_stage(key: str, factor: str, tokens: int, held: int) -> StagePlan:
         logit_rows = task_rows if factor == "tasks" else min(inputs.context, HEAD_ROWS)
@@ -440,7 +459,7 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
             child = base + (library_bytes + size.bf16_bytes if on_gpu else held)
             plan = _child_stage(quantize_stage(key), seconds, base, base, child, artifact, f"{dtype} arithmetic")
             if on_gpu:
-                plan.vram_bytes = held - library_bytes
+                plan.vram_bytes = held - library_bytes + int(CUDA_PROCESS_BYTES)
             stages.append(plan)
             # Packed weights, plus the unquantized embedding table (and LM head, when untied) in 16 bits.
             unquantized = size.vocab_size * size.hidden_size * 2 * (1 if size.tie_word_embeddings else 2)
@@ -559,4 +578,9 @@ def plan_versus_actual(plan: dict, stages: dict) -> list[dict]:
                 "memory_ratio": round(actual_memory / predicted["peak_rss_bytes"], 2) if actual_memory else None,
             }
         )
+        gpu = measured.get("gpu_peak_bytes")
+        if gpu is not None:  # sampled on a CUDA device while the stage ran (memory.GpuWatch)
+            planned = predicted.get("vram_bytes") or 0
+            rows[-1].update(predicted_vram_bytes=planned, vram_bytes=gpu,
+                            vram_ratio=round(gpu / planned, 2) if planned else None)  # fmt: skip
     return rows

@@ -8,8 +8,10 @@ torch and transformers but which can install nothing (no package index): this wo
                      enough to travel with the tree)
   run [DIR] --out O  there: for tiny random models of eight architectures, and DIR's artifacts when given, the
                      logits and every evaluation figure computed on the CPU and on CUDA through quantforge's own
-                     code (the lean reference, the dequantized evaluation, ``resolve_device``), and the GPU memory
-                     each evaluation held against its stored weights; writes O/device_check.json and a table
+                     code (the lean reference, the dequantized evaluation, ``resolve_device``), the GPU memory
+                     each evaluation held against its stored weights and what it left reserved once closed, and
+                     what one more torch process costs the GPU against the plan's CUDA_PROCESS_BYTES; writes
+                     O/device_check.json and a table
 
 Where torch sees no CUDA device, ``run`` computes the CPU side only and says so (exit 0): that is what runs here.
 Not covered, because their libraries cannot be installed there: the torch quantizers on CUDA, llama.cpp's offload
@@ -108,7 +110,44 @@ def logits_on(folder: Path, device: str, tokens, packed: bool) -> tuple[list, di
         peak = torch.cuda.max_memory_allocated(device)
         facts.update(gpu_peak_bytes=peak, gpu_peak_over_stored=round(peak / stored_bytes(folder), 2))
     runner.close()
+    if on_cuda:  # close() hands torch's cached blocks back to the device, for the build's next child
+        facts["gpu_reserved_after_close_bytes"] = torch.cuda.memory_reserved(device)
     return logits, facts
+
+
+# A process that multiplies on the GPU, reports what torch's allocator holds, and waits to be ended.
+CUDA_PROCESS = """
+import json, sys, torch
+a = torch.randn(1024, 1024, device="cuda:0")
+(a @ a).sum().item()
+print(json.dumps({"reserved": torch.cuda.memory_reserved(0)}), flush=True)
+sys.stdin.read()
+"""
+
+
+def cuda_process_bytes() -> dict:
+    """What one more torch process that has multiplied on the GPU costs the device beyond its allocator's blocks
+    (context, cuBLAS, kernels), against the plan's figure: the device's used memory before it starts and while
+    it waits, this process's own unchanged in between."""
+    import torch
+
+    from quantforge.resources import CUDA_PROCESS_BYTES
+
+    def used() -> int:
+        free, total = torch.cuda.mem_get_info(0)
+        return total - free
+
+    torch.cuda.empty_cache()
+    before = used()
+    child = subprocess.Popen([sys.executable, "-c", CUDA_PROCESS], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        reserved = json.loads(child.stdout.readline())["reserved"]
+        overhead = used() - before - reserved
+    finally:
+        child.kill()
+        child.wait()
+    return {"measured_bytes": overhead, "planned_bytes": int(CUDA_PROCESS_BYTES),
+            "ratio": round(overhead / CUDA_PROCESS_BYTES, 2)}  # fmt: skip
 
 
 def compare(folder: Path, tokens, packed: bool, device: str | None, reference=None) -> tuple[dict, list]:
@@ -169,6 +208,7 @@ def run(prepared: Path | None, out: Path, kinds: list[str]) -> dict:
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(0) if device else None,
         "device_resolution": device_resolution(),
+        "cuda_process": cuda_process_bytes() if device else None,
         "not_checked": "torch quantizers on CUDA, llama.cpp offload, vLLM speed probe (not installable there)",
         "models": {},
     }
@@ -204,6 +244,10 @@ def print_table(report: dict) -> None:
                       f"{cuda['kld_to_cpu']:9.1e}", f"{cuda['top1_agreement_with_cpu']:6.3f}",
                       f"{cuda['gpu_peak_over_stored']:10.2f}"]  # fmt: skip
         print(f"{name:26} {' '.join(cells)}{'' if entry.get('agrees', True) else '  DIFFERS'}")
+    if report["cuda_process"]:
+        process = report["cuda_process"]
+        print(f"a torch process on the GPU beyond its tensors: {process['measured_bytes'] / 1e9:.2f} GB "
+              f"(planned {process['planned_bytes'] / 1e9:.2f} GB, ratio {process['ratio']})")  # fmt: skip
     print(f"not checked: {report['not_checked']}")
 
 

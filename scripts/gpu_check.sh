@@ -23,3 +23,14 @@ echo "== CUDA half ($("$py" -c 'import torch; print(torch.cuda.get_device_name(0
 "$py" -c "import llama_cpp; print('llama.cpp GPU offload:', llama_cpp.llama_supports_gpu_offload())" >&2
 time .venv/bin/quantforge build "${args[@]}" --device cuda --out "$out/cuda" >/dev/null || [ $? -eq 3 ]
 "$py" scripts/compare_cards.py "$out/cpu/card.json" "$out/cuda/card.json"
+# The plan's GPU memory per stage against what the device held while it ran (memory.GpuWatch, sampled).
+"$py" - "$out/cuda/run.json" <<'PY'
+import json, sys
+from quantforge.resources import plan_versus_actual
+run = json.load(open(sys.argv[1]))
+print(f"{'stage':28} {'planned GB':>10} {'GPU GB':>8} {'ratio':>6}")
+for row in plan_versus_actual(run["resource_plan"], run["stages"]):
+    if "vram_bytes" in row:
+        print(f"{row['key']:28} {row['predicted_vram_bytes'] / 1e9:10.2f} {row['vram_bytes'] / 1e9:8.2f} "
+              f"{row['vram_ratio']!s:>6}")
+PY

@@ -84,6 +84,73 @@ def test_on_cuda_the_model_is_planned_in_gpu_memory():
         assert _stage(cuda, key)["peak_rss_bytes"] < _stage(cpu, key)["peak_rss_bytes"]
 
 
+def test_on_cuda_each_process_that_computes_there_adds_a_cuda_context():
+    """A child that quantizes or evaluates on the GPU holds a context of its own; the build's was made before the
+    plan read the device's free memory. GGUF evaluation is on the GPU only with a CUDA build of llama.cpp."""
+    from dataclasses import replace
+
+    from quantforge.resources import CUDA_KERNEL_BYTES, CUDA_PROCESS_BYTES
+
+    formats = (("gptq-int4", "hf", 4.0), ("gguf-q4km", "gguf", 4.89))
+    cpu_llamacpp = make_resource_plan(QWEN_7B, _inputs(formats, "cuda:0", 128 * 512), HOST)
+    artifact = {"gptq-int4": QWEN_7B.parameters * 4.0 / 8, "gguf-q4km": QWEN_7B.parameters * 4.89 / 8}
+    # packed weights and the untied embedding table and output layer in bf16
+    held = artifact["gptq-int4"] + 2 * QWEN_7B.vocab_size * QWEN_7B.hidden_size * 2
+    evaluate = _stage(cpu_llamacpp, "evaluate/gptq-int4")["vram_bytes"]
+    assert held + CUDA_PROCESS_BYTES < evaluate < 1.2 * held + CUDA_PROCESS_BYTES
+    assert _stage(cpu_llamacpp, "quantize/gptq-int4")["vram_bytes"] > QWEN_7B.bf16_bytes + CUDA_PROCESS_BYTES
+    # the reference in the build's process: every weight, the untied embedding table too (copied to the GPU, where
+    # host memory maps it and touches the rows it looks up), plus its kernels; activations of 2048 positions
+    reference = _stage(cpu_llamacpp, "reference")["vram_bytes"]
+    assert QWEN_7B.bf16_bytes + CUDA_KERNEL_BYTES < reference < 1.15 * QWEN_7B.bf16_bytes
+    assert _stage(cpu_llamacpp, "evaluate/gguf-q4km")["vram_bytes"] == 0  # llama.cpp built for the CPU
+    offloads = make_resource_plan(QWEN_7B, _inputs(formats, "cuda:0", 128 * 512), replace(HOST, llamacpp_offload=True))
+    gguf = _stage(offloads, "evaluate/gguf-q4km")
+    assert artifact["gguf-q4km"] + CUDA_PROCESS_BYTES < gguf["vram_bytes"] < 1.2 * artifact["gguf-q4km"] + 1 * GB
+    assert gguf["peak_rss_bytes"] == _stage(cpu_llamacpp, "evaluate/gguf-q4km")["peak_rss_bytes"]
+    on_cpu = make_resource_plan(QWEN_7B, _inputs(formats, "cpu", 128 * 512), replace(HOST, llamacpp_offload=True))
+    assert all(stage["vram_bytes"] == 0 for stage in on_cpu["stages"])
+
+
+def test_ggml_offload_is_read_from_llamacpps_libraries(tmp_path, monkeypatch):
+    from quantforge import ggml_rate
+
+    assert ggml_rate.ggml_offloads_to_cuda() is False  # this machine's llama.cpp is built for the CPU
+    (tmp_path / "libggml-cuda.so").write_bytes(b"")
+    monkeypatch.setattr(ggml_rate, "ggml_library_dir", lambda: tmp_path)
+    assert ggml_rate.ggml_offloads_to_cuda() is True
+
+
+def test_gpu_memory_of_each_stage_is_sampled_above_what_the_device_held_at_the_start():
+    """memory.GpuWatch with a device reading that the test raises and lowers, as a stage's allocations and its
+    children's move torch.cuda.mem_get_info on a GPU: each stage keeps its own highest reading above the first."""
+    import time
+
+    from quantforge import memory
+
+    used = [1000]
+    memory.watch_gpu(lambda: used[0])
+    try:
+        with memory.StagePeak() as outer:
+            used[0] = 5000
+            time.sleep(0.5)  # several of the thread's samples, 0.1 s apart
+            used[0] = 3000
+            with memory.StagePeak() as inner:
+                used[0] = 2000
+            used[0] = 1000
+        with memory.StagePeak() as broken:
+            used[0] = None  # a reading that fails stops the watch, not the build
+            time.sleep(0.3)
+    finally:
+        memory.watch_gpu(None)
+    assert outer.to_json()["gpu_peak_bytes"] == 4000
+    assert inner.to_json()["gpu_peak_bytes"] == 2000  # 3000 when it began
+    assert broken.to_json()["gpu_peak_bytes"] == 0  # what it saw before the reading failed
+    with memory.StagePeak() as unwatched:
+        pass
+    assert "gpu_peak_bytes" not in unwatched.to_json()
+
+
 def test_model_size_without_a_parameter_count_is_refused():
     with pytest.raises(QuantforgeError, match="lacks parameters"):
         ModelSize.from_facts({"hidden_size": 8, "num_layers": 1, "vocab_size": 10})
