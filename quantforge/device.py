@@ -54,6 +54,44 @@ def resolve_device(choice: str | None) -> str:
     return f"cuda:{index}"
 
 
+def cuda_index(device: str) -> int | None:
+    """N of a resolved 'cuda:N'; None for the CPU."""
+    return int(device.partition(":")[2] or 0) if device.startswith("cuda") else None
+
+
+# llama.cpp's LLAMA_SPLIT_MODE_NONE: the whole model on main_gpu. Its default (by layer) spreads the layers over
+# every visible GPU, which --device cuda:N does not ask for.
+LLAMA_SPLIT_MODE_NONE = 0
+
+
+def llama_gpu_params(device: str, offloads: bool) -> dict:
+    """llama-cpp-python's ``Llama`` arguments that put every layer on ``device``'s GPU (none for the CPU, or a
+    llama.cpp built without GPU offload)."""
+    index = cuda_index(device)
+    if index is None or not offloads:
+        return {"n_gpu_layers": 0}
+    return {"n_gpu_layers": -1, "split_mode": LLAMA_SPLIT_MODE_NONE, "main_gpu": index}
+
+
+def llama_tool_gpu_args(device: str) -> list[str]:
+    """The same for llama.cpp's command-line tools (common/arg.cpp: -ngl, -sm, -mg)."""
+    index = cuda_index(device)
+    return [] if index is None else ["-ngl", "999", "-sm", "none", "-mg", str(index)]
+
+
+def visible_devices_for(device: str, environ: dict) -> str | None:
+    """CUDA_VISIBLE_DEVICES that leaves a runtime which always takes the first GPU it sees (vLLM) only ``device``;
+    'cuda:N' counts among the GPUs this process sees, which a CUDA_VISIBLE_DEVICES already set may have narrowed."""
+    index = cuda_index(device)
+    if index is None:
+        return None
+    current = environ.get("CUDA_VISIBLE_DEVICES")
+    if current is None or current.strip() == "":
+        return str(index)
+    seen = [entry.strip() for entry in current.split(",") if entry.strip()]
+    return seen[index] if index < len(seen) else str(index)
+
+
 QUANTIZE_DTYPES = ("auto", "bfloat16", "float32")
 # CPU flags of native bf16 multiplies. Without them torch's bf16 matrix multiply on a CPU is emulated: measured on
 # this project's AVX2 host, 18.7 GFLOP/s against 160 in float32 (2 threads, a 256x576 by 576x1536 linear).

@@ -31,3 +31,35 @@ def gpu_rooflines(weight_bytes: int) -> dict:
         }
         for name, (memory, bandwidth) in GPUS.items()
     }
+
+
+def published_bandwidth(device_name: str) -> tuple[str, float] | None:
+    """(our name, GB/s) of the table's GPU that a device's own name (``torch.cuda.get_device_name``, e.g. "NVIDIA
+    H100 80GB HBM3") names, the longest such name first; None for a GPU the table lacks."""
+    spoken = device_name.upper()
+    for name in sorted(GPUS, key=len, reverse=True):
+        if name.upper() in spoken:
+            return name, float(GPUS[name][1])
+    return None
+
+
+def cuda_device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(torch.device(device))
+
+
+def device_roofline(device: str, weight_bytes: int, speed: dict, device_name: str | None = None) -> dict:
+    """The roofline of the device a probe ran on, and the measured decode speed's fraction of it: the host's
+    measured bandwidth for the CPU; for a CUDA device, the published bandwidth of the GPU its name names (none for
+    a GPU the table lacks: then no fraction, rather than one against the wrong memory)."""
+    if not device.startswith("cuda"):
+        bound, facts = speed["host_decode_tps_bound"], {"device": "cpu", "bound_source": "host bandwidth, measured"}
+    else:
+        name = device_name or cuda_device_name(device)
+        known = published_bandwidth(name)
+        bound = roofline(weight_bytes, known[1]) if known else None
+        source = f"{known[0]}'s published bandwidth, {known[1]:.0f} GB/s" if known else "not in quantforge's GPU table"
+        facts = {"device": device, "device_name": name, "bound_source": source}
+    fraction = speed["decode_tps"] / bound if bound else None
+    return {**facts, "decode_tps_bound": bound, "fraction_of_roofline": fraction}

@@ -67,7 +67,8 @@ def plot_speed(card: dict, path: Path) -> bool:
         return False
     figure, axes = plt.subplots(figsize=(7, 4.5))
     positions = range(len(rows))
-    bounds = [speed["host_decode_tps_bound"] for _, speed in rows]
+    # the bound of the device each ran on (cards before the device had the host's only)
+    bounds = [speed.get("decode_tps_bound", speed["host_decode_tps_bound"]) or 0 for _, speed in rows]
     measured = [speed["decode_tps"] if speed.get("measured") else 0 for _, speed in rows]
     axes.bar([p - 0.2 for p in positions], bounds, width=0.4, color="lightgray", label="bandwidth bound (computed)")
     axes.bar([p + 0.2 for p in positions], measured, width=0.4, color="tab:green", label="measured decode")

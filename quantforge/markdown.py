@@ -100,27 +100,41 @@ def _speed_table(card: dict) -> list[str]:
         "",
         f"Prompt {first['prompt_tokens']} tokens, {first['gen_tokens']} generated greedily, median of "
         f"{first['runs']} runs after a warm-up, {first['threads']} threads{policy}; host bandwidth "
-        f"{first['host_bandwidth_gbs']:.1f} GB/s (measured). GPU bounds are computed, not measured.",
+        f"{first['host_bandwidth_gbs']:.1f} GB/s (measured). GPU bounds are computed, not measured. Each format's "
+        "bound is that of the device it ran on.",
         "",
-        "| format | runtime | prompt tok/s | decode tok/s | TTFT s | TPOT ms | peak MB | host bound tok/s | "
+        "| format | runtime | device | prompt tok/s | decode tok/s | TTFT s | TPOT ms | peak MB | bound tok/s | "
         "of bound | H100 bound tok/s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, speed in rows:
-        bound = speed["host_decode_tps_bound"]
         h100 = speed["gpus"]["H100"]["decode_tps_bound"]
         if not speed.get("measured"):
-            lines.append(f"| {key} | not measured here (see below) | | | | | | {bound:.0f} | | {h100:.0f} |")
+            host = speed["host_decode_tps_bound"]
+            lines.append(f"| {key} | not measured here (see below) | | | | | | | {host:.0f} | | {h100:.0f} |")
             continue
+        bound = speed.get("decode_tps_bound", speed["host_decode_tps_bound"])  # cards before the device had one
+        fraction = speed.get("fraction_of_roofline")
         lines.append(
-            f"| {key} | {speed['runtime']} | {speed['prompt_tps']:.0f} | {speed['decode_tps']:.1f} | "
-            f"{speed['ttft_s']:.3f} | {1000 * speed['tpot_s']:.1f} | {speed['peak_rss_mb']:.0f} | {bound:.0f} | "
-            f"{100 * speed['fraction_of_roofline']:.0f}% | {h100:.0f} |"
+            f"| {key} | {speed['runtime']} | {_device_cell(speed)} | {speed['prompt_tps']:.0f} | "
+            f"{speed['decode_tps']:.1f} | {speed['ttft_s']:.3f} | {1000 * speed['tpot_s']:.1f} | "
+            f"{speed['peak_rss_mb']:.0f} | {'' if bound is None else f'{bound:.0f}'} | "
+            f"{'' if fraction is None else f'{100 * fraction:.0f}%'} | {h100:.0f} |"
         )
     lines += [""] + [
         f"- {key}: not measured here: {speed['reason']}." for key, speed in rows if not speed.get("measured")
     ]
+    lines += [
+        f"- {key}: no bound on {speed['device_name']} ({speed['bound_source']})."
+        for key, speed in rows
+        if speed.get("measured") and speed.get("device_name") and speed.get("decode_tps_bound") is None
+    ]
     return lines
+
+
+def _device_cell(speed: dict) -> str:
+    device = speed.get("device", "cpu")
+    return f"{device} ({speed['device_name']})" if speed.get("device_name") else device
 
 
 def _fit_table(card: dict) -> list[str]:

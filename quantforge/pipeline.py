@@ -691,7 +691,7 @@ class Build:
         import subprocess
         import sys
 
-        from .gpus import gpu_rooflines, roofline
+        from .gpus import device_roofline, gpu_rooflines, roofline
         from .openmp import users_environment, wait_policy
 
         settings = dict(self.plan.speed)
@@ -712,6 +712,9 @@ class Build:
             }
             if isinstance(target, str):
                 result.update(measured=False, reason=target)
+            elif target[0] == "vllm" and not self.plan.device.startswith("cuda"):
+                # vLLM runs on a GPU: beside formats timed on this build's CPU its figures would not compare
+                result.update(measured=False, reason="vLLM runs on a GPU and this build's --device is cpu")
             else:
                 runtime, artifact = target
                 prompt_path = self.paths.probe_prompt
@@ -733,6 +736,8 @@ class Build:
                     str(settings["runs"]),
                     "--threads",
                     str(self.plan.threads),
+                    "--device",
+                    self.plan.device,
                     *(["--backend", backend] if backend else []),
                 ]
                 log = self.paths.log(f"speed-{key}")
@@ -743,7 +748,7 @@ class Build:
                     raise QuantforgeError(f"the speed probe of {key} failed (exit {done.returncode}); see {log}")
                 measured = json.loads(done.stdout.strip().splitlines()[-1])
                 result.update(measured=True, runtime=runtime, **measured)
-                result["fraction_of_roofline"] = measured["decode_tps"] / result["host_decode_tps_bound"]
+                result.update(device_roofline(measured.get("device", "cpu"), weight_bytes, result))
             atomic_write_json(path, result)
             return result
 
@@ -757,7 +762,12 @@ class Build:
                     np.ascontiguousarray(prompt[: settings["prompt_tokens"]]).tobytes()
                 ).hexdigest(),
             },
-            settings={**settings, "threads": self.plan.threads, "omp_wait_policy": wait_policy(probe_env)},
+            settings={
+                **settings,
+                "threads": self.plan.threads,
+                "omp_wait_policy": wait_policy(probe_env),
+                "device": self.plan.device,
+            },  # fmt: skip
             outputs=[path],
             produce=produce,
         )

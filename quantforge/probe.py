@@ -12,12 +12,17 @@ median of each figure:
 The host's memory bandwidth for the roofline (see gpus.py) is measured here too: a large memory copy. GPU bounds come
 from a table of published figures and are marked as computed, not measured.
 
+On a build with a CUDA device every runtime runs there (``--device``), so that formats are timed on the same
+footing: llama.cpp with every layer offloaded (a CUDA build), transformers with the model on the GPU, vLLM on that
+GPU alone. The result says where it ran (``device``).
+
     python -m quantforge.probe --runtime llama.cpp --path model.gguf --prompt-tokens 128 --gen-tokens 64
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import resource
@@ -83,10 +88,16 @@ def _timings(prompt_seconds: float, first_token_at: float, token_times: list[flo
     }
 
 
-def probe_llama_cpp(path: Path, prompt: list[int], gen_tokens: int, threads: int, runs: int) -> dict:
+def probe_llama_cpp(
+    path: Path, prompt: list[int], gen_tokens: int, threads: int, runs: int, device: str = "cpu"
+) -> dict:
     """llama.cpp as its users run it: with the OpenMP wait policy this process was given (see openmp.py)."""
+    import llama_cpp
     from llama_cpp import Llama
 
+    from .device import llama_gpu_params
+
+    gpu = llama_gpu_params(device, llama_cpp.llama_supports_gpu_offload())
     llm = Llama(
         str(path),
         n_ctx=len(prompt) + gen_tokens + 8,
@@ -95,6 +106,7 @@ def probe_llama_cpp(path: Path, prompt: list[int], gen_tokens: int, threads: int
         n_threads_batch=threads,
         flash_attn=False,
         verbose=False,
+        **gpu,
     )
 
     context, batch, vocab = llm._ctx, llm._batch, llm.n_vocab()
@@ -120,11 +132,15 @@ def probe_llama_cpp(path: Path, prompt: list[int], gen_tokens: int, threads: int
     once()  # warm-up
     result = _median_report([once() for _ in range(runs)])
     llm.close()
+    result["device"] = device if gpu["n_gpu_layers"] else "cpu"
     return result
 
 
-def probe_transformers(path: Path, prompt: list[int], gen_tokens: int, threads: int, runs: int) -> dict:
-    """transformers' own loading of the folder: float weights, or the quantization library's CPU kernels."""
+def probe_transformers(
+    path: Path, prompt: list[int], gen_tokens: int, threads: int, runs: int, device: str = "cpu"
+) -> dict:
+    """transformers' own loading of the folder: float weights, or the quantization library's kernels for the
+    device (its CPU ones on a CPU)."""
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(2, threads)))
     import torch
 
@@ -134,27 +150,34 @@ def probe_transformers(path: Path, prompt: list[int], gen_tokens: int, threads: 
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(path, device_map="cpu").eval()
-    ids = torch.tensor([prompt], dtype=torch.long)
+    model = AutoModelForCausalLM.from_pretrained(path, device_map=device).eval()
+    ids = torch.tensor([prompt], dtype=torch.long, device=device)
+    # A GPU computes after the call returns: a time is read only once the work queued before it is done.
+    done = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def now() -> float:
+        done()
+        return time.perf_counter()
 
     def once() -> dict:
         with torch.inference_mode():
-            started = time.perf_counter()
+            started = now()
             out = model(input_ids=ids, use_cache=True)
-            prompt_seconds = time.perf_counter() - started
+            prompt_seconds = now() - started
             past, token_times = out.past_key_values, []
             token = out.logits[:, -1].argmax(-1, keepdim=True)
-            token_times.append(time.perf_counter() - started)
+            token_times.append(now() - started)
             for _ in range(gen_tokens - 1):
                 out = model(input_ids=token, past_key_values=past, use_cache=True)
                 past = out.past_key_values
                 token = out.logits[:, -1].argmax(-1, keepdim=True)
-                token_times.append(time.perf_counter() - started)
+                token_times.append(now() - started)
         return _timings(prompt_seconds, token_times[0], token_times, len(prompt))
 
     once()
     result = _median_report([once() for _ in range(runs)])
     result["kernel"] = type(_first_linear(model)).__module__ + "." + type(_first_linear(model)).__name__
+    result["device"] = device
     return result
 
 
@@ -163,9 +186,14 @@ def _first_linear(model):
     return layer.self_attn.q_proj
 
 
-def probe_vllm(path: Path, prompt: list[int], gen_tokens: int, threads: int, runs: int) -> dict:
+def probe_vllm(path: Path, prompt: list[int], gen_tokens: int, threads: int, runs: int, device: str = "cuda:0") -> dict:
     """vLLM's own loading of the folder (it picks the Marlin/compressed-tensors kernels itself), greedy, one
-    sequence: time to first token from a one-token generation, decode speed from the rest of a full one."""
+    sequence: time to first token from a one-token generation, decode speed from the rest of a full one. vLLM
+    takes the first GPU it sees, so the probe sees only ``device``'s (CUDA is not started in this process yet)."""
+    from .device import visible_devices_for
+
+    visible = visible_devices_for(device if device.startswith("cuda") else "cuda:0", dict(os.environ))
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -190,7 +218,9 @@ def probe_vllm(path: Path, prompt: list[int], gen_tokens: int, threads: int, run
         }
 
     once()  # warm-up: CUDA graphs, kernel selection
-    return _median_report([once() for _ in range(runs)])
+    result = _median_report([once() for _ in range(runs)])
+    result["device"] = device if device.startswith("cuda") else "cuda:0"
+    return result
 
 
 PROBES = {"llama.cpp": probe_llama_cpp, "transformers": probe_transformers, "vllm": probe_vllm}
@@ -224,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gen-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda:N, as the build resolved --device")
     parser.add_argument("--bandwidth", action="store_true", help="measure the host's memory bandwidth instead")
     parser.add_argument("--buffer-bytes", type=int, help="bytes per array of the bandwidth copy")
     args = parser.parse_args(argv)
@@ -238,11 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.backend:
         from .backends import load_backend
 
-        result = load_backend(args.backend).probe(
-            args.runtime, args.path, prompt, args.gen_tokens, args.threads, args.runs
-        )
+        backend = load_backend(args.backend)
+        # A third-party backend's probe may predate the device: it is then left to choose its own.
+        where = {"device": args.device} if "device" in inspect.signature(backend.probe).parameters else {}
+        result = backend.probe(args.runtime, args.path, prompt, args.gen_tokens, args.threads, args.runs, **where)
     else:
-        result = PROBES[args.runtime](args.path, prompt, args.gen_tokens, args.threads, args.runs)
+        result = PROBES[args.runtime](args.path, prompt, args.gen_tokens, args.threads, args.runs, args.device)
     result["peak_rss_mb"] = peak_rss_mb()
     result["omp_wait_policy"] = wait_policy()
     print(json.dumps(result))

@@ -468,10 +468,14 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
             for task in inputs.tasks:
                 stages.append(torch_runtime_stage(tasks_stage(key, task), "tasks", 0, held))
     if inputs.speed_tokens:
+        gguf = {key for key, family, _ in inputs.formats if family == "gguf"}
         for key in [REFERENCE, *bits_of]:
             seconds = FIXED_SECONDS["speed"] + 3 * flop_seconds * inputs.speed_tokens
             held = size.stored_bytes if key == REFERENCE else int(bits_of[key] * size.parameters / 8)
-            stages.append(StagePlan(speed_stage(key), seconds, process_base_bytes(size) + held, note="child process"))
+            plan = StagePlan(speed_stage(key), seconds, process_base_bytes(size) + held, note="child process")
+            if on_gpu and (offload or key not in gguf):  # the probe runs on the build's device (probe.py)
+                plan.vram_bytes = held + int(CUDA_PROCESS_BYTES)
+            stages.append(plan)
     stages.append(StagePlan("card", FIXED_SECONDS["card"], base))
     return stages
 

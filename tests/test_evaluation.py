@@ -230,7 +230,9 @@ def test_speed_probe_and_roofline(tiny_run):
         assert speed["ttft_s"] >= speed["prompt_tokens"] / speed["prompt_tps"] * 0.99
         assert speed["ttft_s"] < speed["prompt_tokens"] / speed["prompt_tps"] + 10 * speed["tpot_s"]
         assert speed["peak_rss_mb"] > 50
-        # Decoding cannot beat reading every weight once per token at the measured bandwidth.
+        # Decoding cannot beat reading every weight once per token at the measured bandwidth (of the CPU: the build's
+        # device, where every runtime ran).
+        assert speed["device"] == "cpu" and speed["decode_tps_bound"] == speed["host_decode_tps_bound"]
         assert speed["host_decode_tps_bound"] > speed["decode_tps"]
         assert 0 < speed["fraction_of_roofline"] < 1
         assert speed["gpus"]["H100"]["computed"] and speed["gpus"]["H100"]["decode_tps_bound"] > speed["decode_tps"]
@@ -238,6 +240,39 @@ def test_speed_probe_and_roofline(tiny_run):
     assert card["host"]["bandwidth_gbs"] > 0.5
     assert "## Decode speed" in (tiny_run / "card.md").read_text()
     assert "(OpenMP wait policy: PASSIVE)" in (tiny_run / "card.md").read_text()
+
+
+def test_a_probe_on_a_gpu_is_set_beside_that_gpus_roofline_not_the_hosts():
+    """The bound is the device's the probe ran on: a GPU's published bandwidth, found by the name CUDA gives it;
+    none for a GPU the table lacks, rather than a fraction against the host's memory."""
+    from quantforge.gpus import GPUS, device_roofline, published_bandwidth, roofline
+
+    weights = 4 * 10**9
+    speed = {"decode_tps": 400.0, "host_decode_tps_bound": 5.0}
+    on_h100 = device_roofline("cuda:1", weights, speed, device_name="NVIDIA H100 80GB HBM3")
+    assert on_h100["decode_tps_bound"] == roofline(weights, GPUS["H100"][1])
+    assert on_h100["fraction_of_roofline"] == pytest.approx(400 / on_h100["decode_tps_bound"])
+    assert on_h100["device"] == "cuda:1" and on_h100["device_name"] == "NVIDIA H100 80GB HBM3"
+    assert published_bandwidth("NVIDIA GeForce RTX 4090")[0] == "RTX 4090"
+    unknown = device_roofline("cuda:0", weights, speed, device_name="NVIDIA B200")
+    assert unknown["decode_tps_bound"] is None and unknown["fraction_of_roofline"] is None
+    on_cpu = device_roofline("cpu", weights, {"decode_tps": 2.0, "host_decode_tps_bound": 5.0})
+    assert on_cpu["decode_tps_bound"] == 5.0 and on_cpu["fraction_of_roofline"] == 0.4
+
+
+def test_llama_cpp_is_put_on_the_chosen_gpu_alone():
+    """--device cuda:N: llama.cpp's default would spread the layers over every visible GPU; vLLM, which takes the
+    first GPU it sees, is shown that one alone."""
+    from quantforge.device import llama_gpu_params, llama_tool_gpu_args, visible_devices_for
+
+    assert llama_gpu_params("cuda:1", offloads=True) == {"n_gpu_layers": -1, "split_mode": 0, "main_gpu": 1}
+    assert llama_gpu_params("cuda:1", offloads=False) == {"n_gpu_layers": 0}  # a llama.cpp built for the CPU
+    assert llama_gpu_params("cpu", offloads=True) == {"n_gpu_layers": 0}
+    assert llama_tool_gpu_args("cuda:2") == ["-ngl", "999", "-sm", "none", "-mg", "2"]
+    assert llama_tool_gpu_args("cpu") == []
+    assert visible_devices_for("cuda:1", {}) == "1"
+    assert visible_devices_for("cuda:1", {"CUDA_VISIBLE_DEVICES": "4, 6"}) == "6"
+    assert visible_devices_for("cpu", {}) is None
 
 
 def test_the_speed_probe_runs_as_users_run_the_runtime_not_with_our_short_spin(tiny_run, tmp_path):

@@ -170,15 +170,25 @@ class Backend(abc.ABC):
         """(runtime, path) for the decode-speed probe in the format's own runtime, or why this host has none."""
         return f"no runtime for {self.name} artifacts on this host"
 
-    def probe(self, runtime: str, path: Path, prompt: list[int], gen_tokens: int, threads: int, runs: int) -> dict:
-        """Time ``runs`` greedy generations of ``gen_tokens`` after ``prompt`` in ``runtime`` (the speed probe's own
-        process calls this): prompt_tps, decode_tps, ttft_s, tpot_s and such. quantforge's probes know llama.cpp,
-        transformers and vLLM; a backend with a runtime of its own overrides this."""
+    def probe(
+        self,
+        runtime: str,
+        path: Path,
+        prompt: list[int],
+        gen_tokens: int,
+        threads: int,
+        runs: int,
+        device: str = "cpu",
+    ) -> dict:
+        """Time ``runs`` greedy generations of ``gen_tokens`` after ``prompt`` in ``runtime`` on ``device`` (the
+        speed probe's own process calls this): prompt_tps, decode_tps, ttft_s, tpot_s and such, and the device it
+        ran on. quantforge's probes know llama.cpp, transformers and vLLM; a backend with a runtime of its own
+        overrides this (a ``device`` parameter is optional there)."""
         from ..probe import PROBES
 
         if runtime not in PROBES:
             raise QuantforgeError(f"backend {self.name} names runtime '{runtime}' for its speed probe but has no probe")
-        return PROBES[runtime](path, prompt, gen_tokens, threads, runs)
+        return PROBES[runtime](path, prompt, gen_tokens, threads, runs, device)
 
     def deployment(self, folder: Path, card: dict, entry: dict, chat: tuple[str | None, dict]) -> Deployment:
         """How to run the artifact in ``folder``, for its model card; may write side files there (an Ollama

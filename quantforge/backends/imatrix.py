@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..device import llama_tool_gpu_args
 from ..logs import run_logged
 from ..openmp import wait_briefly
 from . import Intermediate, QuantizeJob
@@ -56,10 +57,6 @@ def _run_tool(command: list[str], log_path: Path, what: str, cwd: Path | None = 
     return run_logged(command, log_path, what, cwd)
 
 
-def _gpu_layers(device: str) -> list[str]:
-    return ["-ngl", "999"] if device.startswith("cuda") else []
-
-
 def build_importance_matrix(job: QuantizeJob) -> dict:
     from ..llamacpp_tools import build_tools
 
@@ -73,7 +70,7 @@ def build_importance_matrix(job: QuantizeJob) -> dict:
         command = [str(tool), "-m", str(job.intermediate("gguf-f16").resolve()), "-f", dataset]
         command += ["-o", str(job.out.resolve())]
         command += ["-c", str(seqlen), "-b", str(seqlen), "--chunks", str(sequences), "-t", str(job.threads)]
-        command += ["--no-ppl", "--output-format", "gguf", *_gpu_layers(job.device)]
+        command += ["--no-ppl", "--output-format", "gguf", *llama_tool_gpu_args(job.device)]
         output = _run_tool(command, job.log_dir / "imatrix.log", "llama.cpp's llama-imatrix", cwd=Path(scratch))
     chunks = re.findall(r"computing over (\d+) chunks", output)
     return {

@@ -83,9 +83,11 @@ class LlamaCppRunner:
         import llama_cpp
         from llama_cpp import Llama
 
-        # Every layer on the GPU when one was chosen and this llama.cpp build can offload (a CUDA build).
-        offload = device.startswith("cuda") and llama_cpp.llama_supports_gpu_offload()
-        if offload:
+        from ..device import llama_gpu_params
+
+        # Every layer on the chosen GPU when one was chosen and this llama.cpp build can offload (a CUDA build).
+        gpu = llama_gpu_params(device, llama_cpp.llama_supports_gpu_offload())
+        if gpu["n_gpu_layers"]:
             self.runtime = "llama.cpp (CUDA)"
 
         self.flash_attn = False  # matches the float reference; llama.cpp's default in llama-cpp-python
@@ -102,8 +104,8 @@ class LlamaCppRunner:
             n_threads_batch=threads,
             logits_all=True,
             flash_attn=self.flash_attn,
-            n_gpu_layers=-1 if offload else 0,
             verbose=False,
+            **gpu,
         )
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
