@@ -92,6 +92,11 @@ BF16_EMULATED_SLOWDOWN = 4.2
 # gptqmodel 0.18 GB (GPTQ and AWQ), llmcompressor 0.12 GB (INT8).
 QUANTIZE_BYTES_PER_WEIGHT = {"gptq": 2.0, "awq": 4.5, "int8": 2.0}
 FLOAT32_EXTRA_BYTES_PER_WEIGHT = 3.0
+# GPTQModel quantizing from its disk offload (a bf16 calibration): resident bytes a decoder weight, beside the
+# embedding tables in bf16 (GPTQ fitted on SmolLM2-135M and the 0.5B qwen2: 1.26 and 0.87; AWQ on SmolLM2 alone);
+# and what its offload folder holds on disk at its largest, a decoder weight (1.06 and 1.23). docs/design.md.
+OFFLOAD_DECODER_BYTES_PER_WEIGHT = {"gptq": 1.1, "awq": 2.7}
+OFFLOAD_DISK_BYTES_PER_WEIGHT = 1.3
 QUANTIZER_LIBRARY = {
     "gptq": ("gptqmodel", 0.18 * GB),
     "awq": ("gptqmodel", 0.18 * GB),
@@ -310,11 +315,21 @@ PROBE_PROCESS_BYTES = 100 << 20  # python and numpy in the bandwidth probe's pro
 
 
 def _quantize_held(size: ModelSize, calibration_tokens: int, method: str, dtype: str) -> int:
-    """A torch quantizer holds its library, the whole model, one layer's calibration activations and its Hessians."""
-    per_weight = QUANTIZE_BYTES_PER_WEIGHT[method] + (FLOAT32_EXTRA_BYTES_PER_WEIGHT if dtype == "float32" else 0)
+    """A torch quantizer holds its library, the model's weights, one layer's calibration activations and its
+    Hessians."""
     activations = calibration_tokens * size.hidden_size * 4 * 4
     hessians = 4 * size.intermediate_size**2 * 4
-    return int(QUANTIZER_LIBRARY[method][1] + per_weight * size.parameters) + activations + hessians
+    return int(QUANTIZER_LIBRARY[method][1] + _quantizer_weight_bytes(size, method, dtype)) + activations + hessians
+
+
+def _quantizer_weight_bytes(size: ModelSize, method: str, dtype: str) -> int:
+    """The whole model (AWQ also its scaled copies); with GPTQModel's disk offload (bf16 calibration), the
+    embedding tables and a share of the decoder layers' weights (backends.gptqmodel.disk_offload)."""
+    if method in OFFLOAD_DECODER_BYTES_PER_WEIGHT and dtype != "float32":
+        tables = size.parameters - decoder_parameters(size)
+        return int(2 * tables + OFFLOAD_DECODER_BYTES_PER_WEIGHT[method] * decoder_parameters(size))
+    per_weight = QUANTIZE_BYTES_PER_WEIGHT[method] + (FLOAT32_EXTRA_BYTES_PER_WEIGHT if dtype == "float32" else 0)
+    return int(per_weight * size.parameters)
 
 
 def decoder_parameters(size: ModelSize) -> int:
@@ -455,9 +470,15 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
             held = _quantize_held(size, calibration, method, dtype)
             library_bytes = int(QUANTIZER_LIBRARY[method][1])
             # In the child: the libraries, the tokenizer and what the quantizer holds; on a GPU the model is there,
-            # and host memory holds the libraries and the loaded checkpoint.
-            child = base + (library_bytes + size.bf16_bytes if on_gpu else held)
-            plan = _child_stage(quantize_stage(key), seconds, base, base, child, artifact, f"{dtype} arithmetic")
+            # and host memory holds the libraries and the loaded checkpoint (what of it is not offloaded to disk).
+            loaded = (
+                _quantizer_weight_bytes(size, method, dtype) if method in OFFLOAD_DECODER_BYTES_PER_WEIGHT else None
+            )
+            child = base + (library_bytes + min(loaded or size.bf16_bytes, size.bf16_bytes) if on_gpu else held)
+            disk = artifact
+            if method in OFFLOAD_DECODER_BYTES_PER_WEIGHT and dtype != "float32":
+                disk += int(OFFLOAD_DISK_BYTES_PER_WEIGHT * decoder_parameters(size))  # gone once it is done
+            plan = _child_stage(quantize_stage(key), seconds, base, base, child, disk, f"{dtype} arithmetic")
             if on_gpu:
                 plan.vram_bytes = held - library_bytes + int(CUDA_PROCESS_BYTES)
             stages.append(plan)

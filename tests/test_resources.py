@@ -280,8 +280,10 @@ def test_gptq_calibrates_in_float32_on_a_cpu_without_bf16_when_it_fits():
     assert asked_bf16["quantize_dtype"] == {"dtype": "bfloat16", "why": "asked for", "formats": ["gptq-int4"]}
     gptq_bf16 = _stage(asked_bf16, "quantize/gptq-int4")
     assert gptq_bf16["seconds"] > 3 * gptq["seconds"]
-    # float32 weights, and the mapped bf16 checkpoint partly resident beside them
-    assert gptq["peak_rss_bytes"] - gptq_bf16["peak_rss_bytes"] == pytest.approx(3 * QWEN_7B.parameters, rel=0.01)
+    # float32 weights and the mapped bf16 checkpoint partly resident beside them (5 bytes a weight), against bf16
+    # quantized from GPTQModel's disk offload, which never holds the whole model (all of it would be 2 bytes a weight)
+    difference = gptq["peak_rss_bytes"] - gptq_bf16["peak_rss_bytes"]
+    assert 3 * QWEN_7B.parameters < difference < 5 * QWEN_7B.parameters
     # 32 GB holds GPTQ of the 7B model in bf16 (15 GB of weights) but not in float32 (30 GB): bf16, and it fits.
     tight = plan(replace(no_bf16, memory_available=int(32 * GB)))
     assert tight["quantize_dtype"]["dtype"] == "bfloat16" and "not fit" in tight["quantize_dtype"]["why"]

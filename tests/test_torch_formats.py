@@ -53,6 +53,19 @@ def test_classic_checkpoints(torch_run, key, method, expected):
         assert quant.get("version", quant.get("format")) == "gemm"
 
 
+def test_gptqmodel_quantizes_from_disk_and_leaves_neither_its_folder_nor_its_path(torch_run):
+    """GPTQModel's disk offload keeps the whole model out of the quantizer's memory (backends.gptqmodel.disk_offload),
+    except for a float32 calibration (a CPU without bf16 instructions, GPTQ only); its folder goes with the format's
+    checkpoints once the artifact is complete, and its path is dropped from the saved config."""
+    stages = json.loads((torch_run / "run.json").read_text())["stages"]
+    for key in ("gptq-int4", "gptq-int8", "awq"):
+        config = (torch_run / "artifacts" / key / "config.json").read_text()
+        offloaded = stages[f"quantize/{key}"]["result"]["calibration_dtype"] != "float32"
+        assert f'"offload_to_disk": {str(offloaded).lower()}' in config, key
+        assert str(torch_run) not in config and "offload_to_disk_path" not in config, key
+    assert not any((torch_run / "work" / "checkpoints").iterdir())
+
+
 def test_published_tokenizer_configs_hold_no_arguments_of_our_load(torch_run, tiny_llama):
     """transformers writes load arguments (local_files_only, is_local, ...) back into tokenizer_config.json: they
     made a Ray worker's artifact differ from a laptop's by one byte. Every HF artifact has none of them, and keeps

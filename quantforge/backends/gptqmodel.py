@@ -6,8 +6,8 @@
 
 Measured facts this relies on (GPTQModel 7.6, torch 2.13 CPU): GPTQModel needs GPTQMODEL_CPU_WORKERS set on a
 2-core machine or it refuses to start; AWQ on CPU needs the torch backend and a bf16/fp16 model (fp32 fails when
-packing); ``offload_to_disk`` writes a random temporary path into config.json, so it is turned off to keep
-artifacts reproducible.
+packing); ``offload_to_disk`` writes its folder's path into config.json, so the path is dropped after saving
+to keep artifacts reproducible, and the folder is the run's, not a random temporary one (``disk_offload``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 from . import Format, QuantizeJob
@@ -76,6 +77,23 @@ def _drop_local_paths(folder: Path) -> None:
         if "offload_to_disk_path" in meta:
             meta.pop("offload_to_disk_path")
             path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def disk_offload(job: QuantizeJob, resumable: bool, dtype: str) -> dict:
+    """GPTQModel's disk offload, its own default, which we used to turn off: the model is a shell whose layers
+    are read from the checkpoint as the quantizer reaches them and written to disk once done, so the whole model is
+    never resident (SmolLM2-135M, GPTQ int4: the quantizer's peak 1.04 GB against 1.25, same time, the artifact
+    byte for byte the same; docs/design.md). Its folder is in the run's work folder, not a random temporary one:
+    removed with the format's checkpoints once the artifact is complete, and dropped from the saved config.
+
+    Not for a float32 calibration: unquantized parameters left on disk cannot be cast back to bf16 before saving
+    (``unquantized_back_to_bf16``). Not without a checkpoint folder (a backend called outside a build)."""
+    if job.checkpoint_dir is None or (dtype == "float32" and not resumable):
+        return {"offload_to_disk": False}
+    folder = job.checkpoint_dir / "offload"
+    if not resumable:  # a killed run's offloaded modules are no part of this one
+        shutil.rmtree(folder, ignore_errors=True)
+    return {"offload_to_disk": True, "offload_to_disk_path": str(folder)}
 
 
 def let_go_of_the_model() -> None:
@@ -147,17 +165,16 @@ class GPTQModelBackend(HFFolderBackend):
         bits = BITS[job.format.name]
         act_order = bool(job.settings.get("act_order", False))
         # GPTQModel resumes layer by layer from a checkpoint only for llama models, and only with its disk
-        # offload on; the offload folder then goes into the run's work folder, not a random temporary one.
-        # Off unless asked (--layer-resume): measured on a tiny llama killed half way, the resumed checkpoint
-        # differed from an uninterrupted run's in 18 packed tensors, while a restart from scratch is byte-identical.
+        # offload on. Off unless asked (--layer-resume): measured on a tiny llama killed half way, the resumed
+        # checkpoint differed from an uninterrupted run's in 18 packed tensors, while a restart from scratch is
+        # byte-identical.
         resumable = (
             job.settings.get("layer_resume")
             and job.checkpoint_dir is not None
             and job.source.config.get("model_type") == "llama"
         )
-        offload = {"offload_to_disk": resumable}
-        if resumable:
-            offload["offload_to_disk_path"] = str(job.checkpoint_dir / "offload")
+        dtype = job.dtype  # the plan's choice for GPTQ (pipeline.calibration_dtype); bf16 for AWQ
+        offload = disk_offload(job, resumable, dtype)
         if job.format.name == "awq":
             config = QuantizeConfig(
                 bits=bits, group_size=group_size, quant_method="awq", format="gemm", sym=False, **offload
@@ -176,7 +193,6 @@ class GPTQModelBackend(HFFolderBackend):
             }
             for row in calibration
         ]
-        dtype = job.dtype  # the plan's choice for GPTQ (pipeline.calibration_dtype); bf16 for AWQ
         torch.manual_seed(0)
         try:
             model = GPTQModel.load(
