@@ -102,24 +102,24 @@ class GpuWatch:
         self.read_used = read_used
         self.interval = interval
         self.baseline = read_used()
-        self.failed: str | None = None
+        self.failed = False  # a reading failed: the watch stops, and the stages keep what they saw
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="quantforge-gpu-watch", daemon=True)
         self._thread.start()
 
     def sample(self) -> None:
-        if self.failed is not None:
+        if self.failed:
             return
         try:
             used = int(self.read_used())
-        except Exception as exc:  # a broken device must not end the build from here: its stage fails on its own
-            self.failed = f"{type(exc).__name__}: {exc}"
+        except Exception:  # a broken device must not end the build from here: its stage fails on its own
+            self.failed = True
             return
         for stage in list(_active):
             stage.gpu_seen = max(stage.gpu_seen or 0, used)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval) and self.failed is None:
+        while not self._stop.wait(self.interval) and not self.failed:
             self.sample()
 
     def stop(self) -> None:

@@ -325,11 +325,16 @@ def _quantize_held(size: ModelSize, calibration_tokens: int, method: str, dtype:
 def _quantizer_weight_bytes(size: ModelSize, method: str, dtype: str) -> int:
     """The whole model (AWQ also its scaled copies); with GPTQModel's disk offload (bf16 calibration), the
     embedding tables and a share of the decoder layers' weights (backends.gptqmodel.disk_offload)."""
-    if method in OFFLOAD_DECODER_BYTES_PER_WEIGHT and dtype != "float32":
+    if _offloaded(method, dtype):
         tables = size.parameters - decoder_parameters(size)
         return int(2 * tables + OFFLOAD_DECODER_BYTES_PER_WEIGHT[method] * decoder_parameters(size))
     per_weight = QUANTIZE_BYTES_PER_WEIGHT[method] + (FLOAT32_EXTRA_BYTES_PER_WEIGHT if dtype == "float32" else 0)
     return int(per_weight * size.parameters)
+
+
+def _offloaded(method: str, dtype: str) -> bool:
+    """Whether this quantizer runs from GPTQModel's disk offload (backends.gptqmodel.disk_offload)."""
+    return method in OFFLOAD_DECODER_BYTES_PER_WEIGHT and dtype != "float32"
 
 
 def decoder_parameters(size: ModelSize) -> int:
@@ -471,12 +476,10 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
             library_bytes = int(QUANTIZER_LIBRARY[method][1])
             # In the child: the libraries, the tokenizer and what the quantizer holds; on a GPU the model is there,
             # and host memory holds the libraries and the loaded checkpoint (what of it is not offloaded to disk).
-            loaded = (
-                _quantizer_weight_bytes(size, method, dtype) if method in OFFLOAD_DECODER_BYTES_PER_WEIGHT else None
-            )
-            child = base + (library_bytes + min(loaded or size.bf16_bytes, size.bf16_bytes) if on_gpu else held)
+            loaded = min(_quantizer_weight_bytes(size, method, dtype), size.bf16_bytes)
+            child = base + (library_bytes + loaded if on_gpu else held)
             disk = artifact
-            if method in OFFLOAD_DECODER_BYTES_PER_WEIGHT and dtype != "float32":
+            if _offloaded(method, dtype):
                 disk += int(OFFLOAD_DISK_BYTES_PER_WEIGHT * decoder_parameters(size))  # gone once it is done
             plan = _child_stage(quantize_stage(key), seconds, base, base, child, disk, f"{dtype} arithmetic")
             if on_gpu:
