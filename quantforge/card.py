@@ -42,10 +42,13 @@ from .rundir import (
 )
 
 CARD_SCHEMA = "quantforge.card/1"
-CONVENTION = (
-    "GPTQ/AutoRound convention: text joined and tokenized once, non-overlapping windows of the context length, "
-    "every position after the first of each window scored"
-)
+CONVENTIONS = {
+    "all": "GPTQ/AutoRound convention: text joined and tokenized once, non-overlapping windows of the context length, "
+    "every position after the first of each window scored",
+    "second-half": "llama-perplexity's convention: text joined and tokenized once, non-overlapping windows of the "
+    "context length, only the second half of each window scored (each token predicted with at least half a "
+    "window before it)",
+}
 
 
 def _task_results(manifest: Manifest, key: str) -> dict:
@@ -222,7 +225,8 @@ def build_card(run_dir: Path, targets: Targets) -> dict:
             **plan["eval_settings"],
             "requested_text": plan["eval_settings"]["text"],
             "text": manifest.stage(TOKENS)["result"]["text"],
-            "convention": CONVENTION,
+            "scoring": plan["eval_settings"].get("scoring", "all"),  # absent from the settings for the default
+            "convention": CONVENTIONS[plan["eval_settings"].get("scoring", "all")],
             "bos_token_id": manifest.stage(TOKENS)["result"].get("bos_token_id"),
             "bos": bos_convention(manifest.stage(TOKENS)["result"].get("bos_token_id")),
         },

@@ -7,7 +7,10 @@ token in front of every text (Gemma, Llama 2/3, Mistral), each window starts wit
 text tokens, so the first scored token is the window's first text token: such models see BOS in training, and
 without it their perplexity is meaningless (Gemma 3 270M: 10,273 without, 982 with). llama.cpp's
 ``llama-perplexity`` also starts each window with BOS then, but scores only the second half of each window, so its
-figures differ; the card says which convention it used.
+figures differ. ``scoring="second-half"`` scores as it does (the logits of positions ``context // 2`` to
+``context - 2``, each predicting the next token), so a card's perplexity and KL sit beside llama.cpp's published
+ones, and every position scored has seen at least half a window; the runtimes then compute the output layer for
+those positions alone. The card says which convention it used.
 
 The reference's next-token distribution is stored compactly, so every artifact is compared with it without
 recomputing the reference: per scored position, the ``TOP_K`` most likely tokens with their log-probabilities, and
@@ -20,6 +23,7 @@ rest (top-128 only, grouped) gave 0.0473 (15% low).
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +36,7 @@ from .uncertainty import window_sums
 
 TOP_K = 64
 TAIL_SAMPLES = 64
+SCORINGS = ("all", "second-half")  # every position of a window after its first; llama-perplexity's second half
 
 
 @dataclass(frozen=True)
@@ -39,9 +44,23 @@ class EvalSettings:
     text: str = "auto"
     context: int = 512
     windows: int = 16
+    scoring: str = "all"
+
+    @property
+    def first_scored(self) -> int:
+        """The first position whose logits are scored (each predicts the token after it)."""
+        return first_scored(self.context, self.scoring)
 
     def to_json(self) -> dict:
-        return {"text": self.text, "context": self.context, "windows": self.windows}
+        settings = {"text": self.text, "context": self.context, "windows": self.windows}
+        if self.scoring != "all":  # absent for the default, so runs made before the setting existed still resume
+            settings["scoring"] = self.scoring
+        return settings
+
+
+def first_scored(context: int, scoring: str) -> int:
+    """The first position of a window whose logits a ``scoring`` convention scores."""
+    return context // 2 if scoring == "second-half" else 0
 
 
 def text_tokens_per_window(context: int, bos: int | None) -> int:
@@ -142,13 +161,27 @@ ROW_CHUNK = 8
 LogitRows = Union[np.ndarray, Iterable[np.ndarray]]
 
 
-def scored_logit_blocks(runner, tokens: np.ndarray) -> LogitRows:
-    """The logits of a window's scored positions (all but the last) from ``runner``: in blocks when it offers
-    ``scored_logits`` (each block valid until the next is asked for, so a window's logits need not be held whole),
-    else its whole ``logits`` array."""
-    if hasattr(runner, "scored_logits"):
+def scored_logit_blocks(runner, tokens: np.ndarray, first: int = 0) -> LogitRows:
+    """The logits of a window's scored positions (``first`` to the last but one) from ``runner``: in blocks when it
+    offers ``scored_logits`` (each block valid until the next is asked for, so a window's logits need not be held
+    whole), else cut from its whole ``logits`` array. A runner whose ``scored_logits`` takes no ``first`` (a plugin
+    written before it existed) has its leading rows dropped here."""
+    if not hasattr(runner, "scored_logits"):
+        return runner.logits(tokens)[first:]
+    if not first:
         return runner.scored_logits(tokens)
-    return runner.logits(tokens)
+    if "first" in inspect.signature(runner.scored_logits).parameters:
+        return runner.scored_logits(tokens, first=first)
+    return _drop_rows(runner.scored_logits(tokens), first)
+
+
+def _drop_rows(blocks: LogitRows, count: int) -> Iterator[np.ndarray]:
+    """``blocks`` without their first ``count`` rows."""
+    for block in [blocks] if isinstance(blocks, np.ndarray) else blocks:
+        kept = block[count:]
+        count = max(0, count - len(block))
+        if len(kept):
+            yield kept
 
 
 def last_logits(runner, tokens: np.ndarray, rows: int) -> np.ndarray:
@@ -223,11 +256,11 @@ class ChunkScratch:
         return torch.log_softmax(wide, dim=-1, out=logp).numpy()
 
 
-def _row_chunks(logits: LogitRows, tokens: np.ndarray, scratch: ChunkScratch):
+def _row_chunks(logits: LogitRows, targets: np.ndarray, scratch: ChunkScratch):
     """(log-probs, targets) for the scored positions of a window, a few rows at a time (each log-prob array is
     ``scratch``'s, valid until the next is asked for)."""
-    for start, rows in _row_blocks(logits, len(tokens) - 1):
-        yield scratch.log_softmax(rows), tokens[start + 1 : start + 1 + len(rows)]
+    for start, rows in _row_blocks(logits, len(targets)):
+        yield scratch.log_softmax(rows), targets[start : start + len(rows)]
 
 
 def _sample_tail(probs: np.ndarray, rng: np.random.Generator, samples: int, scratch: np.ndarray) -> np.ndarray:
@@ -290,13 +323,20 @@ def check_finite(whose: str, window: int, **figures: np.ndarray) -> None:
 
 
 def reference_window(
-    logits: LogitRows, tokens: np.ndarray, seed: int = 0, top_k: int = TOP_K, tail_samples: int = TAIL_SAMPLES
+    logits: LogitRows,
+    tokens: np.ndarray,
+    seed: int = 0,
+    top_k: int = TOP_K,
+    tail_samples: int = TAIL_SAMPLES,
+    first: int = 0,
 ) -> ReferenceWindow:
+    """What is kept of the reference's prediction at each scored position of one window: ``logits`` are those of
+    positions ``first`` to the window's last but one."""
     rng = np.random.default_rng(seed)
     vocab, logits = _vocab_size(logits)
     scratch = ChunkScratch(vocab)
     parts: dict[str, list] = {k: [] for k in ("nll", "top_ids", "top_logp", "tail_ids", "tail_logp", "tail_mass")}
-    for logp, targets in _row_chunks(logits, tokens, scratch):
+    for logp, targets in _row_chunks(logits, tokens[first + 1 :], scratch):
         rows = np.arange(len(targets))[:, None]
         parts["nll"].append(-logp[rows[:, 0], targets])
         top = np.argpartition(np.negative(logp, out=scratch.probs[: len(logp)]), top_k, axis=-1)[:, :top_k]
@@ -337,11 +377,14 @@ def _artifact_logprobs(logits: np.ndarray, targets: np.ndarray, top_ids: np.ndar
     return gather(targets[:, None])[:, 0], gather(top_ids), gather(tail_ids), argmax[:, 0].numpy()
 
 
-def compare_window(logits: LogitRows, tokens: np.ndarray, ref: ReferenceWindow) -> dict[str, np.ndarray]:
-    """Per-position NLL, KL(reference || artifact) and whether the top token agrees."""
+def compare_window(
+    logits: LogitRows, tokens: np.ndarray, ref: ReferenceWindow, first: int = 0
+) -> dict[str, np.ndarray]:
+    """Per-position NLL, KL(reference || artifact) and whether the top token agrees, for the positions from
+    ``first`` (those ``logits`` hold and ``ref`` was made for)."""
     import torch
 
-    targets = tokens[1:]
+    targets = tokens[first + 1 :]
     vocab, logits = _vocab_size(logits)
     scratch = torch.empty((ROW_CHUNK, vocab), dtype=torch.float32)  # reused by every chunk (see ChunkScratch)
     parts: dict[str, list] = {"nll": [], "kld": [], "agree": []}
@@ -441,13 +484,16 @@ def score_reference(
     windows: np.ndarray,
     on_window: Callable[[int], None] | None = None,
     progress_path: Path | None = None,
+    first: int = 0,
 ) -> tuple[list[ReferenceWindow], dict]:
+    """The reference's kept predictions for every window, and its perplexity; ``logits_fn`` gives a window's logits
+    from position ``first`` (``scored_logit_blocks``)."""
     started = time.perf_counter()
     progress = WindowProgress(progress_path)
     resumed = len(progress.windows)
     for index in range(resumed, len(windows)):
         window = windows[index]
-        ref = reference_window(logits_fn(window), window, seed=index)
+        ref = reference_window(logits_fn(window), window, seed=index, first=first)
         check_finite("the reference's", index, negative_log_likelihood=ref.nll, top_log_probability=ref.top_logp[:, 0])
         progress.add({name: getattr(ref, name) for name in REFERENCE_FIELDS})
         if on_window:
@@ -466,12 +512,14 @@ def score_artifact(
     refs: list[ReferenceWindow],
     on_window: Callable[[int], None] | None = None,
     progress_path: Path | None = None,
+    first: int = 0,
 ) -> dict:
+    """An artifact's figures against the reference's (``refs``, made with the same ``first``)."""
     started = time.perf_counter()
     progress = WindowProgress(progress_path)
     resumed = len(progress.windows)
     for index in range(resumed, len(windows)):
-        compared = compare_window(logits_fn(windows[index]), windows[index], refs[index])
+        compared = compare_window(logits_fn(windows[index]), windows[index], refs[index], first=first)
         check_finite("the artifact's", index, negative_log_likelihood=compared["nll"], kl_divergence=compared["kld"])
         progress.add(compared)
         if on_window:

@@ -237,8 +237,13 @@ def render_markdown(card: dict) -> str:
             if ev.get("requested_text") == "auto" and text.get("name") == "pydoc"
             else []
         ),
-        f"- {ev['convention']}. llama.cpp's llama-perplexity scores only the second half of each window: its "
-        "figures are not comparable with these.",
+        f"- {ev['convention']}. "
+        + (
+            "Positions scored as llama.cpp's llama-perplexity scores them, so its figures can be set beside these."
+            if ev.get("scoring") == "second-half"
+            else "llama.cpp's llama-perplexity scores only the second half of each window: its figures are not "
+            "comparable with these (--ppl-scoring second-half scores as it does)."
+        ),
         f"- BOS: {ev.get('bos') or bos_convention(None)}.",
         "- KL divergence (reference || artifact) per token: exact over the reference's 64 most likely tokens, plus "
         "an unbiased estimate over the rest from 64 tokens drawn from it (fixed seed).",

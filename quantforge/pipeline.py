@@ -25,6 +25,7 @@ from .card import write_card
 from .decide import Targets
 from .errors import QuantforgeError, StageFailed, interrupts_kept
 from .evaluate import (
+    SCORINGS,
     EvalSettings,
     NonFiniteLogits,
     load_reference,
@@ -158,9 +159,16 @@ def make_plan(request: BuildRequest) -> Plan:
         )
     values = resolve_settings(request.settings, recipe.settings() if recipe else {})
     choices = resolve_formats(values["formats"], values["backends"], load_backends())
-    eval_settings = EvalSettings(text=values["eval_text"], context=values["ppl_context"], windows=values["ppl_windows"])
+    eval_settings = EvalSettings(
+        text=values["eval_text"],
+        context=values["ppl_context"],
+        windows=values["ppl_windows"],
+        scoring=values["ppl_scoring"],
+    )
     if eval_settings.context < 16 or eval_settings.windows < 1:
         raise QuantforgeError("--ppl-context must be at least 16 tokens and --ppl-windows at least 1")
+    if eval_settings.scoring not in SCORINGS:
+        raise QuantforgeError(f"unknown --ppl-scoring '{eval_settings.scoring}': use one of {', '.join(SCORINGS)}")
     calibration = CalibrationSettings(
         dataset=values["calibration"],
         samples=values["calib_samples"],
@@ -610,11 +618,13 @@ class Build:
         def produce():
             with self.ui.task("evaluate reference (transformers, float32)", total=len(windows)) as advance:
                 try:
+                    first = self.plan.eval.first_scored
                     refs, summary = score_reference(
-                        partial(scored_logit_blocks, runner.get()),
+                        partial(scored_logit_blocks, runner.get(), first=first),
                         windows,
                         advance,
                         progress_path=self.progress_path(REFERENCE, inputs),
+                        first=first,
                     )
                 except NonFiniteLogits as exc:
                     raise self.non_finite_reference(exc) from None
@@ -957,13 +967,14 @@ class Build:
             def produce():
                 refs = load_reference(reference_path)
                 with self.ui.task(f"evaluate {choice.key} ({runner.get().runtime})", total=len(windows)) as advance:
-                    loaded = runner.get()
+                    loaded, first = runner.get(), self.plan.eval.first_scored
                     summary = score_artifact(
-                        partial(scored_logit_blocks, loaded),  # each window is scored before the next
+                        partial(scored_logit_blocks, loaded, first=first),  # each window is scored before the next
                         windows,
                         refs,
                         advance,
                         progress_path=self.progress_path(choice.key, inputs),
+                        first=first,
                     )
                 summary.update(
                     runtime=runner.get().runtime,
@@ -1053,6 +1064,7 @@ def resource_plan(plan: Plan, facts: dict, host) -> dict:
         formats=[(c.key, c.format.family, c.format.nominal_bits) for c in plan.choices],
         context=plan.eval.context,
         windows=plan.eval.windows,
+        first_scored=plan.eval.first_scored,
         calibration_tokens=plan.calibration.samples * plan.calibration.seqlen if plan.needs_calibration else 0,
         speed_tokens=(plan.speed["prompt_tokens"] + plan.speed["gen_tokens"]) * plan.speed["runs"] if plan.speed else 0,
         tasks=list(plan.tasks["names"]),

@@ -266,6 +266,7 @@ class PlanInputs:
     device: str = "cpu"
     quantize_dtype: str = "auto"  # the torch quantizers' arithmetic as asked (device.quantizer_dtype resolves it)
     follows_dtype: frozenset = frozenset()  # formats whose backend calibrates in that arithmetic (the rest in bf16)
+    first_scored: int = 0  # positions of each window before the first scored one: the output layer skips them
 
 
 def process_base_bytes(size: ModelSize) -> int:
@@ -369,7 +370,10 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
 
     flop_seconds = 2 * size.parameters / (host.gemm_gflops * 1e9)  # one token through the model at GEMM speed
     ggml_seconds = 2 * size.parameters / (host.ggml_gflops * 1e9) if host.ggml_gflops else None  # at ggml's
-    eval_tokens = inputs.context * inputs.windows
+    # Tokens through the whole model for the evaluation, in equivalent tokens: the output layer's share of the
+    # weights is skipped at the positions a scoring convention leaves out (llama-perplexity's second half).
+    head_share = size.vocab_size * size.hidden_size / size.parameters
+    eval_tokens = inputs.windows * (inputs.context - inputs.first_scored * head_share)
     base = process_base_bytes(size)
     widened = min(size.hidden_size * size.intermediate_size * 4, 64 << 20)  # one module (or LM-head slice) widened
     on_gpu = inputs.device.startswith("cuda")

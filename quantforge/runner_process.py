@@ -125,9 +125,9 @@ class ChildRunner:
         self._ask({"op": "last", "tokens": _ids(tokens), "rows": rows})
         return np.array(self._rows())
 
-    def scored_logits(self, tokens: np.ndarray):
-        """The scored positions' logits, a block at a time, each valid until the next is asked for."""
-        self._ask({"op": "scored", "tokens": _ids(tokens)})
+    def scored_logits(self, tokens: np.ndarray, first: int = 0):
+        """The scored positions' logits (from ``first``), a block at a time, each valid until the next is asked for."""
+        self._ask({"op": "scored", "tokens": _ids(tokens), "first": first})
         while (rows := self._rows()) is not None:
             yield rows
             del rows
@@ -237,7 +237,8 @@ def _serve(runner, buffer: LogitsBuffer, send) -> None:
             elif op == "last":
                 rows = last_logits(runner, np.asarray(request["tokens"], dtype=np.int32), request["rows"])
             elif op == "scored":
-                stream = _pieces(scored_logit_blocks(runner, np.asarray(request["tokens"], dtype=np.int32)))
+                tokens = np.asarray(request["tokens"], dtype=np.int32)
+                stream = _pieces(scored_logit_blocks(runner, tokens, request.get("first", 0)))
                 rows = next(stream, None)
             else:
                 raise QuantforgeError(f"the evaluation runtime's process got an unknown request: {line[:80]}")

@@ -60,8 +60,9 @@ class TorchRunner:
 
         return torch.as_tensor(np.asarray(tokens, dtype=np.int64)[None, :], device=self.device)
 
-    def scored_logits(self, tokens: np.ndarray):
-        """The logits of a window's scored positions (all but the last), ``HEAD_ROWS`` positions at a time.
+    def scored_logits(self, tokens: np.ndarray, first: int = 0):
+        """The logits of a window's scored positions (``first`` to the last but one), ``HEAD_ROWS`` positions at a
+        time; the head runs on those positions alone.
 
         The body runs once over the window; the model's own forward then runs the head (and whatever it does after
         the head: soft-capping, scaling) on one block of the body's output at a time, its body standing in with
@@ -80,13 +81,13 @@ class TorchRunner:
             or body is self.model
             or "logits_to_keep" not in inspect.signature(self.model.forward).parameters
         ):
-            yield self.logits(tokens)[:-1]
+            yield self.logits(tokens)[first:-1]
             return
         ids = self._ids(tokens)
         with torch.inference_mode():
             outputs = body(input_ids=ids, use_cache=False)
         hidden, scored = outputs.last_hidden_state, len(tokens) - 1
-        for start in range(0, scored, HEAD_ROWS):
+        for start in range(first, scored, HEAD_ROWS):
             block = slice(start, min(start + HEAD_ROWS, scored))
             yield self._head(body, ids[:, block], type(outputs)(last_hidden_state=hidden[:, block]))
 

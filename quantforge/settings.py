@@ -41,6 +41,9 @@ SETTINGS: tuple[Setting, ...] = (
             ".txt/.jsonl file.", "eval.text"),
     Setting("ppl_context", "int", 512, "--ppl-context", "Tokens per perplexity window (default 512).", "eval.context"),
     Setting("ppl_windows", "int", 16, "--ppl-windows", "Number of perplexity windows (default 16).", "eval.windows"),
+    Setting("ppl_scoring", "str", "all", "--ppl-scoring",
+            "Positions scored in each window: 'all' (every one after the first; default) or 'second-half' "
+            "(llama-perplexity's convention, figures comparable with llama.cpp's).", "eval.scoring"),
     Setting("threads", "int", None, "--threads",
             "CPU threads for quantization and evaluation (default: all cores).", "eval.threads"),
     Setting("tasks", "list", None, "--tasks",

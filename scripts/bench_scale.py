@@ -4,9 +4,12 @@ For each model it prints, per stage, the predicted (``build --plan-only``) and m
 memory (from the run's manifest), then the ratio of quantforge's GGUF path (convert + quantize + evaluate) to
 llama.cpp's own tools on the same files and threads (``convert_hf_to_gguf.py``, ``llama-quantize``,
 ``llama-perplexity`` over the same number of windows of the same length, flash attention off as quantforge
-evaluates). llama-perplexity scores the second half of each window only, where quantforge scores every position and
-also compares each with the reference (KL divergence, top-1), so the ratio per scored token is printed too, and the
-ratio against llama-perplexity's strided mode scoring every position as quantforge does (``--ppl-stride``).
+evaluates), both scoring the same positions: with ``--scoring second-half`` (the default) quantforge builds with
+``--ppl-scoring second-half`` and llama-perplexity runs as it does by default; with ``--scoring all``, quantforge's
+default convention against llama-perplexity's strided mode scoring every position (``--ppl-stride``, windows
+overlapping by one token). quantforge also compares every scored position with the reference (KL divergence,
+top-1), which llama-perplexity does not. Each format's perplexity is printed from both: under second-half scoring
+they read the same windows of the same tokens (for a model without BOS), so they should agree to rounding.
 Goals (issue 12): GGUF path <= 1.1x llama.cpp's tools; peak RSS <= 1.5x the bf16 weights (also printed beyond the
 build process's footprint before any model, its `tokens` stage); time growing no faster than the parameter count.
 
@@ -15,6 +18,7 @@ each stage's time is the fastest of its N and its memory the highest: on a share
 varied by 25% between runs, more than the distance to the goal. The ratio of each round is printed as well.
 
     .venv/bin/python scripts/bench_scale.py [--models smollm2-135m,qwen2.5-coder-0.5b] [--windows 8] [--repeat 1]
+        [--scoring second-half|all]
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -41,25 +46,27 @@ QUANTFORGE = [sys.executable, "-m", "quantforge.cli"]
 FORMATS = {"gguf-q8_0": "Q8_0", "gguf-q4km": "Q4_K_M"}
 
 
-def timed(command: list[str], **kwargs) -> tuple[float, int]:
-    """Wall seconds and the child's peak RSS (bytes) of one command."""
+def timed(command: list[str], log: Path | None = None, **kwargs) -> tuple[float, int]:
+    """Wall seconds and the child's peak RSS (bytes) of one command (its output to ``log`` when given)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     start = time.perf_counter()
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kwargs)
+    with open(log or os.devnull, "w") as output:
+        subprocess.run(command, check=True, stdout=output, stderr=subprocess.STDOUT, **kwargs)
     seconds = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     return seconds, (after * 1024 if after > before else None)
 
 
-def build_args(model: str, out: Path, context: int, windows: int, threads: int) -> list[str]:
+def build_args(model: str, out: Path, context: int, windows: int, threads: int, scoring: str) -> list[str]:
     return [
         "build", model, "--formats", ",".join(FORMATS), "--out", str(out), "--no-speed",
         "--ppl-context", str(context), "--ppl-windows", str(windows), "--threads", str(threads),
+        "--ppl-scoring", scoring,
     ]  # fmt: skip
 
 
-def our_run(model: str, out: Path, context: int, windows: int, threads: int) -> dict:
-    args = build_args(model, out, context, windows, threads)
+def our_run(model: str, out: Path, context: int, windows: int, threads: int, scoring: str) -> dict:
+    args = build_args(model, out, context, windows, threads, scoring)
     plan = json.loads(subprocess.run(QUANTFORGE + args + ["--plan-only", "--json"], capture_output=True,
                                      text=True, check=True).stdout)  # fmt: skip
     seconds, _ = timed(QUANTFORGE + args)
@@ -67,8 +74,8 @@ def our_run(model: str, out: Path, context: int, windows: int, threads: int) -> 
     return {"plan": plan, "wall_seconds": seconds, "stages": manifest["stages"], "run": manifest}
 
 
-def their_run(source: Path, text: Path, out: Path, context: int, windows: int, threads: int) -> dict:
-    """llama.cpp's own tools on the same model folder, text and windows."""
+def their_run(source: Path, text: Path, out: Path, context: int, windows: int, threads: int, scoring: str) -> dict:
+    """llama.cpp's own tools on the same model folder, text and windows, scoring the positions quantforge scores."""
     from quantforge.llamacpp_convert import find_converter
 
     f16 = out / "model-f16.gguf"
@@ -76,22 +83,30 @@ def their_run(source: Path, text: Path, out: Path, context: int, windows: int, t
     env = {**os.environ, "PYTHONPATH": str(converter / "gguf-py")}
     convert = [sys.executable, str(converter / "convert_hf_to_gguf.py"), str(source), "--outtype", "f16",
                "--outfile", str(f16)]  # fmt: skip
-    results = {"convert": timed(convert, env=env)}
+    results, perplexities = {"convert": timed(convert, env=env)}, {}
     for key, file_type in FORMATS.items():
         quantized = out / f"{key}.gguf"
         results[f"quantize/{key}"] = timed([str(tool("llama-quantize")), str(f16), str(quantized), file_type,
                                             str(threads)])  # fmt: skip
-        results[f"evaluate/{key}"] = timed([str(tool("llama-perplexity")), "-m", str(quantized), "-f", str(text),
-                                            "-c", str(context), "-b", str(context), "--chunks", str(windows),
-                                            "-t", str(threads), "-fa", "off"])  # fmt: skip
-        # The same scoring as quantforge's: its strided mode with a stride of context - 1 scores every position of
-        # each window but the first (and computes every position's logits), windows overlapping by one token.
-        results[f"evaluate-every-position/{key}"] = timed(
-            [str(tool("llama-perplexity")), "-m", str(quantized), "-f", str(text), "-c", str(context),
-             "-b", str(context), "--chunks", str(windows), "-t", str(threads), "-fa", "off",
-             "--ppl-stride", str(context - 1)]
-        )  # fmt: skip
-    return {key: {"seconds": s, "peak_rss_bytes": m} for key, (s, m) in results.items()}
+        perplexity = [str(tool("llama-perplexity")), "-m", str(quantized), "-f", str(text), "-c", str(context),
+                      "-b", str(context), "--chunks", str(windows), "-t", str(threads), "-fa", "off"]  # fmt: skip
+        if scoring == "all":
+            # Its strided mode with a stride of context - 1 scores every position of each window but the first
+            # (and computes every position's logits), windows overlapping by one token.
+            perplexity += ["--ppl-stride", str(context - 1)]
+        log = out / f"perplexity-{key}.log"
+        results[f"evaluate/{key}"] = timed(perplexity, log=log)
+        perplexities[key] = final_perplexity(log.read_text(errors="replace"))
+    return {
+        **{key: {"seconds": s, "peak_rss_bytes": m} for key, (s, m) in results.items()},
+        "perplexity": perplexities,
+    }
+
+
+def final_perplexity(output: str) -> float | None:
+    """llama-perplexity's final estimate from its output (None when it printed none)."""
+    found = re.findall(r"Final estimate: PPL = ([0-9.]+)", output)
+    return float(found[-1]) if found else None
 
 
 def fastest_of(ours_runs: list[dict], theirs_runs: list[dict]) -> tuple[dict, dict]:
@@ -106,32 +121,26 @@ def fastest_of(ours_runs: list[dict], theirs_runs: list[dict]) -> tuple[dict, di
         if max(hosts):
             memory["host_peak_rss_bytes"] = max(hosts)
         ours["stages"][key] = {**record, "seconds": min(r["seconds"] for r in records), "memory": memory}
-    theirs = {}
-    for key in theirs_runs[0]:
+    theirs = {"perplexity": theirs_runs[0]["perplexity"]}  # the same figure every round
+    for key in (k for k in theirs_runs[0] if k != "perplexity"):
         peaks = [run[key]["peak_rss_bytes"] or 0 for run in theirs_runs]
         theirs[key] = {"seconds": min(run[key]["seconds"] for run in theirs_runs), "peak_rss_bytes": max(peaks) or None}
     return ours, theirs
 
 
-def gguf_path_ratio(ours: dict, theirs: dict, context: int) -> dict:
+def gguf_path_ratio(ours: dict, theirs: dict) -> dict:
     stages = ours["stages"]
     ours_seconds = stages["intermediate/gguf-f16"]["seconds"] + sum(
         stages[f"{stage}/{key}"]["seconds"] for key in FORMATS for stage in ("quantize", "evaluate")
     )
-    theirs_seconds = sum(v["seconds"] for k, v in theirs.items() if not k.startswith("evaluate-every-position/"))
+    theirs_seconds = sum(v["seconds"] for k, v in theirs.items() if k != "perplexity")
     ours_eval = sum(stages[f"evaluate/{key}"]["seconds"] for key in FORMATS)
     theirs_eval = sum(theirs[f"evaluate/{key}"]["seconds"] for key in FORMATS)
-    theirs_every = sum(theirs[f"evaluate-every-position/{key}"]["seconds"] for key in FORMATS)
-    theirs_same = theirs_seconds - theirs_eval + theirs_every  # the path with llama.cpp scoring as quantforge does
-    scored_ratio = (context - 1) / (context // 2)  # positions scored per window: quantforge / llama-perplexity
     return {"ours_seconds": round(ours_seconds, 1), "llamacpp_seconds": round(theirs_seconds, 1),
             "ratio": round(ours_seconds / theirs_seconds, 3),
             "evaluate_ratio": round(ours_eval / theirs_eval, 3),
-            "evaluate_ratio_per_scored_token": round(ours_eval / theirs_eval / scored_ratio, 3),
-            "same_scoring_stride": context - 1,
-            "llamacpp_same_scoring_seconds": round(theirs_same, 1),
-            "ratio_same_scoring": round(ours_seconds / theirs_same, 3),
-            "evaluate_ratio_same_scoring": round(ours_eval / theirs_every, 3)}  # fmt: skip
+            "perplexity": {key: {"quantforge": round(stages[f"evaluate/{key}"]["result"]["perplexity"], 4),
+                                 "llama-perplexity": theirs["perplexity"][key]} for key in FORMATS}}  # fmt: skip
 
 
 def evaluation_text(run: dict, out: Path) -> Path:
@@ -155,15 +164,14 @@ def print_model(name: str, model: dict) -> None:
     print(f"  peak RSS {model['peak_rss_bytes'] / 1e9:.2f} GB = {model['peak_over_bf16']}x bf16 weights; "
           f"beyond the process before any model ({model['baseline_rss_bytes'] / 1e9:.2f} GB) "
           f"{model['peak_beyond_baseline_over_bf16']}x (goal <= 1.5x)")  # fmt: skip
-    print(f"  GGUF path: quantforge {gguf['ours_seconds']} s, llama.cpp tools {gguf['llamacpp_seconds']} s, "
-          f"ratio {gguf['ratio']} (goal <= 1.1); evaluation alone {gguf['evaluate_ratio']}, per scored token "
-          f"{gguf['evaluate_ratio_per_scored_token']}", flush=True)  # fmt: skip
+    print(f"  GGUF path, scoring {model['scoring']} in both: quantforge {gguf['ours_seconds']} s, llama.cpp tools "
+          f"{gguf['llamacpp_seconds']} s, ratio {gguf['ratio']} (goal <= 1.1); evaluation alone "
+          f"{gguf['evaluate_ratio']}", flush=True)  # fmt: skip
     if len(gguf["ratio_each_round"]) > 1:
         print(f"  (each stage's fastest of {len(gguf['ratio_each_round'])} rounds; the rounds' own ratios: "
               f"{', '.join(str(r) for r in gguf['ratio_each_round'])})")  # fmt: skip
-    print(f"  scoring every position in both (llama-perplexity --ppl-stride {gguf['same_scoring_stride']}): "
-          f"llama.cpp tools {gguf['llamacpp_same_scoring_seconds']} s, ratio {gguf['ratio_same_scoring']}; "
-          f"evaluation alone {gguf['evaluate_ratio_same_scoring']}", flush=True)  # fmt: skip
+    for key, figures in gguf["perplexity"].items():
+        print(f"  perplexity {key}: quantforge {figures['quantforge']}, llama-perplexity {figures['llama-perplexity']}")
 
 
 def main() -> int:
@@ -173,6 +181,8 @@ def main() -> int:
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--repeat", type=int, default=1, help="run both sides this many times, interleaved")
+    parser.add_argument("--scoring", choices=("second-half", "all"), default="second-half",
+                        help="the positions both sides score (see above)")  # fmt: skip
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--save", type=Path, help="also write the report as JSON to this file")
     args = parser.parse_args()
@@ -182,11 +192,12 @@ def main() -> int:
         for _ in range(max(1, args.repeat)):
             with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
                 work = Path(tmp)
-                ours_runs.append(our_run(model, work / "run", args.context, args.windows, args.threads))
+                settings = (args.context, args.windows, args.threads, args.scoring)
+                ours_runs.append(our_run(model, work / "run", *settings))
                 source = Path(ours_runs[-1]["run"]["stages"]["fetch"]["result"]["path"])
                 text = evaluation_text(ours_runs[-1]["run"], work)
-                theirs_runs.append(their_run(source, text, work, args.context, args.windows, args.threads))
-        rounds = [gguf_path_ratio(o, t, args.context)["ratio"] for o, t in zip(ours_runs, theirs_runs, strict=True)]
+                theirs_runs.append(their_run(source, text, work, *settings))
+        rounds = [gguf_path_ratio(o, t)["ratio"] for o, t in zip(ours_runs, theirs_runs, strict=True)]
         ours, theirs = fastest_of(ours_runs, theirs_runs)
         parameters = ours["plan"]["model"]["parameters"]
         # The build process before any model is in memory: libraries imported, tokenizer loaded (the lowest of the
@@ -203,7 +214,8 @@ def main() -> int:
             "peak_over_bf16": round(peak / bf16, 2),
             "baseline_rss_bytes": baseline,
             "peak_beyond_baseline_over_bf16": round((peak - baseline) / bf16, 2),
-            "gguf_path": {**gguf_path_ratio(ours, theirs, args.context), "ratio_each_round": rounds},
+            "scoring": args.scoring,
+            "gguf_path": {**gguf_path_ratio(ours, theirs), "ratio_each_round": rounds},
             "stages": stages,
             "llamacpp": theirs,
         }

@@ -45,11 +45,32 @@ def compare(a: dict, b: dict) -> list[tuple[str, str, float, float, bool]]:
     return rows
 
 
+# What must match for two cards' figures to be compared at all: the same text, windows and scored positions.
+SAME_EVALUATION = ("context", "windows", "scoring")
+
+
+def evaluation_difference(a: dict, b: dict) -> str | None:
+    """What differs between the two cards' evaluations, or None."""
+    older = {"scoring": "all"}  # cards made before the setting existed scored every position
+    ea, eb = ({**older, **card["evaluation"]} for card in (a, b))
+    for name in SAME_EVALUATION:
+        if ea.get(name) != eb.get(name):
+            return f"{name} {ea.get(name)} against {eb.get(name)}"
+    if ea["text"].get("sha256") != eb["text"].get("sha256"):
+        return "the evaluation text"
+    return None
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(__doc__.strip().splitlines()[-1], file=sys.stderr)
         return 2
     a, b = (json.loads(Path(p).read_text()) for p in argv)
+    differs = evaluation_difference(a, b)
+    if differs:
+        print(f"the two cards were not evaluated alike ({differs}): build both with the same evaluation settings",
+              file=sys.stderr)  # fmt: skip
+        return 2
     rows = compare(a, b)
     print(f"{'format':14} {'figure':26} {'A':>12} {'B':>12} {'ok':>4}")
     for key, name, va, vb, ok in rows:

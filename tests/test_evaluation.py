@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import FAST_EVAL, TASKS_DATA, TINY_RUN_ARGS, WIKITEXT, quantforge_cli, read_json
+from conftest import FAST_EVAL, TASKS_DATA, TINY_RUN_ARGS, WIKITEXT, build_run, quantforge_cli, read_json
 
 from quantforge.evaluate import (
     NonFiniteLogits,
@@ -152,6 +152,56 @@ def test_figures_do_not_depend_on_the_row_chunk_and_no_chunk_leaves_state_behind
     assert np.array_equal(refs[1].top_ids[:, 0], wide.argmax(axis=-1))
     assert np.allclose(refs[1].tail_mass, 1 - np.exp(refs[1].top_logp.astype(np.float64)).sum(axis=-1), atol=1e-5)
     assert compared[1]["kld"].mean() > 1e-3
+
+
+def test_second_half_scoring_keeps_the_default_runs_figures_at_those_positions(tiny_run, tiny_llama, tmp_path):
+    """--ppl-scoring second-half scores llama-perplexity's positions: the reference's per-position figures are the
+    default run's at the same positions (its head run on those alone), an artifact is compared at those alone,
+    and the card names the convention."""
+    run = build_run(tiny_llama, tmp_path / "half", "--formats", "gguf-q8_0", *FAST_EVAL, "--ppl-scoring", "second-half")
+    context, windows = int(FAST_EVAL[FAST_EVAL.index("--ppl-context") + 1]), 4
+    first = context // 2
+    whole, half = np.load(tiny_run / "work" / "reference.npz"), np.load(run / "work" / "reference.npz")
+    assert half["nll"].shape == (windows, context - 1 - first)
+    np.testing.assert_allclose(half["nll"], whole["nll"][:, first:], rtol=1e-5, atol=1e-5)
+    assert np.array_equal(half["top_ids"][..., 0], whole["top_ids"][:, first:, 0])
+    stages = read_json(run / "run.json")["stages"]
+    assert stages["reference"]["result"]["tokens_scored"] == windows * (context - 1 - first)
+    q8 = stages["evaluate/gguf-q8_0"]["result"]
+    assert q8["tokens_scored"] == windows * (context - 1 - first)
+    assert 0 < q8["kld_mean"] < 0.01 and abs(q8["perplexity"] / stages["reference"]["result"]["perplexity"] - 1) < 0.01
+    card = read_json(run / "card.json")["evaluation"]
+    assert card["scoring"] == "second-half" and card["convention"].startswith("llama-perplexity's convention")
+    assert read_json(tiny_run / "card.json")["evaluation"]["scoring"] == "all"
+    assert "as llama.cpp's llama-perplexity scores them" in (run / "card.md").read_text()
+
+
+def test_a_runner_without_a_first_position_still_scores_the_second_half(tiny_llama):
+    """A plugin's runner written before ``scored_logits`` took ``first`` gets its leading rows dropped, wherever its
+    blocks are cut."""
+    from quantforge.evaluate import scored_logit_blocks
+
+    class OldRunner:
+        def __init__(self, runner):
+            self.runner = runner
+
+        def scored_logits(self, tokens):
+            rows = self.runner.logits(tokens)[:-1]
+            return iter(np.array_split(rows, 5))  # blocks of 13 rows: the cut falls inside one
+
+    runner = TorchRunner.from_folder(tiny_llama, threads=2)
+    tokens = np.arange(100, 164, dtype=np.int32)
+    kept = np.concatenate(list(scored_logit_blocks(OldRunner(runner), tokens, first=32)))
+    assert np.array_equal(kept, runner.logits(tokens)[32:-1])
+    every = np.concatenate(list(scored_logit_blocks(OldRunner(runner), tokens)))
+    assert np.array_equal(every, runner.logits(tokens)[:-1]) and np.array_equal(every[32:], kept)
+
+
+def test_an_unknown_scoring_convention_is_one_line_naming_the_choices(tiny_llama, tmp_path):
+    result = quantforge_cli("build", str(tiny_llama), "--out", str(tmp_path / "run"), "--ppl-scoring", "half")
+    assert result.returncode != 0
+    assert "unknown --ppl-scoring 'half': use one of all, second-half" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 
 
 def test_tokenizing_a_prefix_gives_the_whole_texts_first_tokens(smollm2_dir):

@@ -41,6 +41,14 @@ def test_the_childs_logits_are_the_runtimes_own_bit_for_bit(mixed_run, tmp_path,
         # the runtime's blocks cross in pieces of SHARED_ROWS rows: the same rows, in order
         assert len(theirs) > len(ours) > 1 and max(len(piece) for piece in theirs) == SHARED_ROWS
         assert np.array_equal(np.concatenate(theirs), np.concatenate(ours))
+        # llama-perplexity's second half (--ppl-scoring second-half): the output layer skips the first half, and
+        # the rows are the whole window's, to rounding
+        half = [np.array(block) for block in child.scored_logits(window, first=CONTEXT // 2)]
+        own_half = [np.array(block) for block in own.scored_logits(window, CONTEXT // 2)]
+        assert np.array_equal(np.concatenate(half), np.concatenate(own_half))
+        tail = np.concatenate(ours)[CONTEXT // 2 :]
+        assert np.concatenate(half).shape == tail.shape
+        np.testing.assert_allclose(np.concatenate(half), tail, rtol=0, atol=1e-4 * np.abs(tail).max())
         # a task's answer: its last rows alone, the output layer run on those (as on the whole window, to rounding);
         # 50 rows of 300 straddle llama.cpp's two blocks
         answer = child.last_logits(window, 50)

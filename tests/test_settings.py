@@ -22,6 +22,7 @@ SAMPLE = {
     "eval_text": "pydoc",
     "ppl_context": 256,
     "ppl_windows": 3,
+    "ppl_scoring": "second-half",
     "threads": 1,
     "tasks": ["arc_easy"],
     "tasks_data": TASKS_DATA,

@@ -50,9 +50,10 @@ class LogitsRunner(Protocol):
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         """[n, vocab] float32 logits of every position of the window. A runner may also offer
-        ``scored_logits(tokens)``: the logits of every position but the last, as consecutive blocks of rows, each
-        valid only until the next is asked for; the evaluation uses it when present, so a window's logits need not
-        be held whole. And ``last_logits(tokens, rows)``: the last ``rows`` positions' logits alone, which the
+        ``scored_logits(tokens, first=0)``: the logits of positions ``first`` to the last but one, as consecutive
+        blocks of rows, each valid only until the next is asked for; the evaluation uses it when present, so a
+        window's logits need not be held whole (and ``first`` lets the output layer skip the positions a scoring
+        convention leaves out). And ``last_logits(tokens, rows)``: the last ``rows`` positions' logits alone, which the
         tasks use when present (a continuation needs a few rows, and the output layer need run on those only)."""
         ...
 

@@ -116,12 +116,13 @@ class LlamaCppRunner:
             out[start : start + len(rows)] = rows
         return out
 
-    def scored_logits(self, tokens: np.ndarray):
-        """The logits of every position but the last (the scored ones), a block of positions at a time, read in
-        place from llama.cpp's buffer: each block is valid until the next is asked for. (Llama.eval would copy them
-        into its own score matrix too.)"""
+    def scored_logits(self, tokens: np.ndarray, first: int = 0):
+        """The logits of the scored positions (``first`` to the last but one), a block of positions at a time, read
+        in place from llama.cpp's buffer: each block is valid until the next is asked for. (Llama.eval would copy
+        them into its own score matrix too.) The output layer runs on those positions alone, as in
+        llama-perplexity."""
         ids = [int(t) for t in tokens]
-        return (rows for _, rows in self._decode(ids, len(ids) - 1))
+        return (rows for _, rows in self._decode(ids, len(ids) - 1, first=first))
 
     def last_logits(self, tokens: np.ndarray, rows: int) -> np.ndarray:
         """The logits of the window's last ``rows`` positions (a task's continuation), a copy the caller keeps.
