@@ -239,7 +239,7 @@ def render_markdown(card: dict) -> str:
         ),
         f"- {ev['convention']}. "
         + (
-            "Positions scored as llama.cpp's llama-perplexity scores them, so its figures can be set beside these."
+            "llama.cpp's own figures (llama-perplexity, and its --kl-divergence) can be set beside these."
             if ev.get("scoring") == "second-half"
             else "llama.cpp's llama-perplexity scores only the second half of each window: its figures are not "
             "comparable with these (--ppl-scoring second-half scores as it does)."

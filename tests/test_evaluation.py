@@ -173,7 +173,7 @@ def test_second_half_scoring_keeps_the_default_runs_figures_at_those_positions(t
     card = read_json(run / "card.json")["evaluation"]
     assert card["scoring"] == "second-half" and card["convention"].startswith("llama-perplexity's convention")
     assert read_json(tiny_run / "card.json")["evaluation"]["scoring"] == "all"
-    assert "as llama.cpp's llama-perplexity scores them" in (run / "card.md").read_text()
+    assert "llama.cpp's own figures (llama-perplexity" in (run / "card.md").read_text()
 
 
 def test_a_runner_without_a_first_position_still_scores_the_second_half(tiny_llama):
