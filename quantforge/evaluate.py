@@ -48,19 +48,14 @@ class EvalSettings:
 
     @property
     def first_scored(self) -> int:
-        """The first position whose logits are scored (each predicts the token after it)."""
-        return first_scored(self.context, self.scoring)
+        """The first position of a window whose logits are scored (each predicts the token after it)."""
+        return self.context // 2 if self.scoring == "second-half" else 0
 
     def to_json(self) -> dict:
         settings = {"text": self.text, "context": self.context, "windows": self.windows}
         if self.scoring != "all":  # absent for the default, so runs made before the setting existed still resume
             settings["scoring"] = self.scoring
         return settings
-
-
-def first_scored(context: int, scoring: str) -> int:
-    """The first position of a window whose logits a ``scoring`` convention scores."""
-    return context // 2 if scoring == "second-half" else 0
 
 
 def text_tokens_per_window(context: int, bos: int | None) -> int:

@@ -616,9 +616,9 @@ class Build:
         inputs = {"source": self.digest(FETCH), "tokens": self.digest(TOKENS)}
 
         def produce():
+            first = self.plan.eval.first_scored
             with self.ui.task("evaluate reference (transformers, float32)", total=len(windows)) as advance:
                 try:
-                    first = self.plan.eval.first_scored
                     refs, summary = score_reference(
                         partial(scored_logit_blocks, runner.get(), first=first),
                         windows,
