@@ -128,19 +128,25 @@ def test_gpu_memory_of_each_stage_is_sampled_above_what_the_device_held_at_the_s
 
     from quantforge import memory
 
+    def wait_for(condition) -> None:
+        """Until the watch's thread (a sample every 0.1 s) has acted: no fixed sleep a stalled host could outlast."""
+        deadline = time.monotonic() + 30
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
     used = [1000]
     memory.watch_gpu(lambda: used[0])
     try:
         with memory.StagePeak() as outer:
             used[0] = 5000
-            time.sleep(0.5)  # several of the thread's samples, 0.1 s apart
+            wait_for(lambda: (outer.gpu_seen or 0) >= 5000)
             used[0] = 3000
             with memory.StagePeak() as inner:
                 used[0] = 2000
             used[0] = 1000
         with memory.StagePeak() as broken:
             used[0] = None  # a reading that fails stops the watch, not the build
-            time.sleep(0.3)
+            wait_for(lambda: memory._gpu_watch.failed)
     finally:
         memory.watch_gpu(None)
     assert outer.to_json()["gpu_peak_bytes"] == 4000
