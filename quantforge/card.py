@@ -23,6 +23,7 @@ from pathlib import Path
 from . import __version__
 from .decide import Candidate, Targets, decide, pareto_front
 from .errors import QuantforgeError
+from .evaluate import EvalSettings
 from .fsutil import atomic_write_json, atomic_write_text
 from .manifest import Manifest
 from .markdown import bos_convention, render_markdown
@@ -218,6 +219,7 @@ def build_card(run_dir: Path, targets: Targets) -> dict:
     decision = decide(candidates, targets, usable, {key: f["line"] for key, f in failures.items()})
     plan = manifest.data["plan"]
     reference = manifest.stage(REFERENCE)
+    scoring = EvalSettings(**plan["eval_settings"]).scoring  # the settings leave out the default
     return {
         "schema": CARD_SCHEMA,
         "model": manifest.stage(FETCH)["result"] | {"parameters": plan.get("parameters")},
@@ -225,8 +227,8 @@ def build_card(run_dir: Path, targets: Targets) -> dict:
             **plan["eval_settings"],
             "requested_text": plan["eval_settings"]["text"],
             "text": manifest.stage(TOKENS)["result"]["text"],
-            "scoring": plan["eval_settings"].get("scoring", "all"),  # absent from the settings for the default
-            "convention": CONVENTIONS[plan["eval_settings"].get("scoring", "all")],
+            "scoring": scoring,
+            "convention": CONVENTIONS[scoring],
             "bos_token_id": manifest.stage(TOKENS)["result"].get("bos_token_id"),
             "bos": bos_convention(manifest.stage(TOKENS)["result"].get("bos_token_id")),
         },

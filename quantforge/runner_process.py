@@ -238,7 +238,7 @@ def _serve(runner, buffer: LogitsBuffer, send) -> None:
                 rows = last_logits(runner, np.asarray(request["tokens"], dtype=np.int32), request["rows"])
             elif op == "scored":
                 tokens = np.asarray(request["tokens"], dtype=np.int32)
-                stream = _pieces(scored_logit_blocks(runner, tokens, request.get("first", 0)))
+                stream = _pieces(scored_logit_blocks(runner, tokens, request["first"]))
                 rows = next(stream, None)
             else:
                 raise QuantforgeError(f"the evaluation runtime's process got an unknown request: {line[:80]}")

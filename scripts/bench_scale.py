@@ -4,10 +4,12 @@ For each model it prints, per stage, the predicted (``build --plan-only``) and m
 memory (from the run's manifest), then the ratio of quantforge's GGUF path (convert + quantize + evaluate) to
 llama.cpp's own tools on the same files and threads (``convert_hf_to_gguf.py``, ``llama-quantize``,
 ``llama-perplexity`` over the same number of windows of the same length, flash attention off as quantforge
-evaluates), both scoring the same positions: with ``--scoring second-half`` (the default) quantforge builds with
-``--ppl-scoring second-half`` and llama-perplexity runs as it does by default; with ``--scoring all``, quantforge's
-default convention against llama-perplexity's strided mode scoring every position (``--ppl-stride``, windows
-overlapping by one token). quantforge also compares every scored position with the reference (KL divergence,
+evaluates). With ``--scoring second-half`` (the default) both score the same positions: quantforge builds with
+``--ppl-scoring second-half`` and llama-perplexity runs as it does by default. With ``--scoring all``, quantforge's
+default convention against llama-perplexity's strided mode, which also scores every token of the text
+(``--ppl-stride``), but in windows of its own: it widens them (``-c 128 --ppl-stride 127`` reported a calculation
+chunk of 256), so its perplexity is lower than quantforge's and the timing compares like work only roughly.
+quantforge also compares every scored position with the reference (KL divergence,
 top-1), which llama-perplexity does not. Each format's perplexity is printed from both: under second-half scoring
 they read the same windows of the same tokens (for a model without BOS), so they should agree to rounding.
 Goals (issue 12): GGUF path <= 1.1x llama.cpp's tools; peak RSS <= 1.5x the bf16 weights (also printed beyond the
@@ -74,8 +76,11 @@ def our_run(model: str, out: Path, context: int, windows: int, threads: int, sco
     return {"plan": plan, "wall_seconds": seconds, "stages": manifest["stages"], "run": manifest}
 
 
-def their_run(source: Path, text: Path, out: Path, context: int, windows: int, threads: int, scoring: str) -> dict:
-    """llama.cpp's own tools on the same model folder, text and windows, scoring the positions quantforge scores."""
+def their_run(
+    source: Path, text: Path, out: Path, context: int, windows: int, threads: int, scoring: str
+) -> tuple[dict, dict]:
+    """llama.cpp's own tools on the same model folder, text and windows, scoring the positions quantforge scores:
+    each step's seconds and peak memory, and each format's perplexity as llama-perplexity printed it."""
     from quantforge.llamacpp_convert import find_converter
 
     f16 = out / "model-f16.gguf"
@@ -91,21 +96,18 @@ def their_run(source: Path, text: Path, out: Path, context: int, windows: int, t
         perplexity = [str(tool("llama-perplexity")), "-m", str(quantized), "-f", str(text), "-c", str(context),
                       "-b", str(context), "--chunks", str(windows), "-t", str(threads), "-fa", "off"]  # fmt: skip
         if scoring == "all":
-            # Its strided mode with a stride of context - 1 scores every position of each window but the first
-            # (and computes every position's logits), windows overlapping by one token.
+            # Its strided mode scores every token of the text once, in windows it widens itself (see above).
             perplexity += ["--ppl-stride", str(context - 1)]
         log = out / f"perplexity-{key}.log"
         results[f"evaluate/{key}"] = timed(perplexity, log=log)
         perplexities[key] = final_perplexity(log.read_text(errors="replace"))
-    return {
-        **{key: {"seconds": s, "peak_rss_bytes": m} for key, (s, m) in results.items()},
-        "perplexity": perplexities,
-    }
+    return {key: {"seconds": s, "peak_rss_bytes": m} for key, (s, m) in results.items()}, perplexities
 
 
 def final_perplexity(output: str) -> float | None:
-    """llama-perplexity's final estimate from its output (None when it printed none)."""
-    found = re.findall(r"Final estimate: PPL = ([0-9.]+)", output)
+    """llama-perplexity's final estimate from its output (None when it printed none). Its strided mode prints no
+    final line, only the running estimate after each window ("[1]58.3391,[2]39.4362,"): the last is the final."""
+    found = re.findall(r"Final estimate: PPL = ([0-9.]+)", output) or re.findall(r"\[\d+\]([0-9.]+),", output)
     return float(found[-1]) if found else None
 
 
@@ -121,26 +123,26 @@ def fastest_of(ours_runs: list[dict], theirs_runs: list[dict]) -> tuple[dict, di
         if max(hosts):
             memory["host_peak_rss_bytes"] = max(hosts)
         ours["stages"][key] = {**record, "seconds": min(r["seconds"] for r in records), "memory": memory}
-    theirs = {"perplexity": theirs_runs[0]["perplexity"]}  # the same figure every round
-    for key in (k for k in theirs_runs[0] if k != "perplexity"):
+    theirs = {}
+    for key in theirs_runs[0]:
         peaks = [run[key]["peak_rss_bytes"] or 0 for run in theirs_runs]
         theirs[key] = {"seconds": min(run[key]["seconds"] for run in theirs_runs), "peak_rss_bytes": max(peaks) or None}
     return ours, theirs
 
 
-def gguf_path_ratio(ours: dict, theirs: dict) -> dict:
+def gguf_path_ratio(ours: dict, theirs: dict, perplexities: dict) -> dict:
     stages = ours["stages"]
     ours_seconds = stages["intermediate/gguf-f16"]["seconds"] + sum(
         stages[f"{stage}/{key}"]["seconds"] for key in FORMATS for stage in ("quantize", "evaluate")
     )
-    theirs_seconds = sum(v["seconds"] for k, v in theirs.items() if k != "perplexity")
+    theirs_seconds = sum(v["seconds"] for v in theirs.values())
     ours_eval = sum(stages[f"evaluate/{key}"]["seconds"] for key in FORMATS)
     theirs_eval = sum(theirs[f"evaluate/{key}"]["seconds"] for key in FORMATS)
     return {"ours_seconds": round(ours_seconds, 1), "llamacpp_seconds": round(theirs_seconds, 1),
             "ratio": round(ours_seconds / theirs_seconds, 3),
             "evaluate_ratio": round(ours_eval / theirs_eval, 3),
             "perplexity": {key: {"quantforge": round(stages[f"evaluate/{key}"]["result"]["perplexity"], 4),
-                                 "llama-perplexity": theirs["perplexity"][key]} for key in FORMATS}}  # fmt: skip
+                                 "llama-perplexity": perplexities[key]} for key in FORMATS}}  # fmt: skip
 
 
 def evaluation_text(run: dict, out: Path) -> Path:
@@ -196,8 +198,9 @@ def main() -> int:
                 ours_runs.append(our_run(model, work / "run", *settings))
                 source = Path(ours_runs[-1]["run"]["stages"]["fetch"]["result"]["path"])
                 text = evaluation_text(ours_runs[-1]["run"], work)
-                theirs_runs.append(their_run(source, text, work, *settings))
-        rounds = [gguf_path_ratio(o, t)["ratio"] for o, t in zip(ours_runs, theirs_runs, strict=True)]
+                timings, perplexities = their_run(source, text, work, *settings)  # the same perplexity every round
+                theirs_runs.append(timings)
+        rounds = [gguf_path_ratio(o, t, perplexities)["ratio"] for o, t in zip(ours_runs, theirs_runs, strict=True)]
         ours, theirs = fastest_of(ours_runs, theirs_runs)
         parameters = ours["plan"]["model"]["parameters"]
         # The build process before any model is in memory: libraries imported, tokenizer loaded (the lowest of the
@@ -215,7 +218,7 @@ def main() -> int:
             "baseline_rss_bytes": baseline,
             "peak_beyond_baseline_over_bf16": round((peak - baseline) / bf16, 2),
             "scoring": args.scoring,
-            "gguf_path": {**gguf_path_ratio(ours, theirs), "ratio_each_round": rounds},
+            "gguf_path": {**gguf_path_ratio(ours, theirs, perplexities), "ratio_each_round": rounds},
             "stages": stages,
             "llamacpp": theirs,
         }

@@ -159,7 +159,7 @@ def test_second_half_scoring_keeps_the_default_runs_figures_at_those_positions(t
     default run's at the same positions (its head run on those alone), an artifact is compared at those alone,
     and the card names the convention."""
     run = build_run(tiny_llama, tmp_path / "half", "--formats", "gguf-q8_0", *FAST_EVAL, "--ppl-scoring", "second-half")
-    context, windows = int(FAST_EVAL[FAST_EVAL.index("--ppl-context") + 1]), 4
+    context, windows = (int(FAST_EVAL[FAST_EVAL.index(flag) + 1]) for flag in ("--ppl-context", "--ppl-windows"))
     first = context // 2
     whole, half = np.load(tiny_run / "work" / "reference.npz"), np.load(run / "work" / "reference.npz")
     assert half["nll"].shape == (windows, context - 1 - first)

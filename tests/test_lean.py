@@ -72,7 +72,7 @@ def test_scored_logits_in_blocks_are_the_whole_windows_rows(tiny_model, kind, mo
     # Bit for bit on this project's hosts; MKL may sum a differently shaped product in another order elsewhere.
     np.testing.assert_allclose(np.concatenate(blocks), whole, rtol=1e-5, atol=1e-5)
     assert np.abs(np.diff(whole, axis=0)).max() > 1e-2  # a block cut or shifted wrongly would break the check
-    # from a later first position (llama-perplexity's second half): the head runs on those rows alone
+    # from a later first position (llama-perplexity's second half): only those rows, in blocks from there
     later = [np.array(block) for block in runner.scored_logits(tokens, first=40)]
     assert [len(b) for b in later] == [16, 16, 7]
     np.testing.assert_allclose(np.concatenate(later), whole[40:], rtol=1e-5, atol=1e-5)

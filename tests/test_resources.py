@@ -45,6 +45,17 @@ def test_plan_grows_with_formats_windows_and_model():
     )
 
 
+def test_second_half_scoring_plans_the_output_layer_on_half_the_positions():
+    from dataclasses import replace
+
+    every, half = (make_resource_plan(QWEN_7B, replace(_inputs(), first_scored=first), HOST) for first in (0, 1024))
+    head = QWEN_7B.vocab_size * QWEN_7B.hidden_size / QWEN_7B.parameters  # the output layer's share, 0.07 at 7B
+    for key in ("reference", "evaluate/gguf-q4km"):
+        fixed = _stage(every, key)["seconds"] - _stage(half, key)["seconds"]
+        assert 0 < fixed < _stage(every, key)["seconds"] * head  # at most the head's share of every position's work
+        assert _stage(every, key)["peak_rss_bytes"] == _stage(half, key)["peak_rss_bytes"]
+
+
 def test_llamacpp_evaluation_is_timed_at_ggmls_measured_rate_and_torch_stages_at_numpys():
     from dataclasses import replace
 
