@@ -213,6 +213,7 @@ def build_card(run_dir: Path, targets: Targets) -> dict:
         if e["complete"]
     ]
     failures = manifest.data.get("failures") or {}
+    stage_failures = manifest.data.get("stage_failures") or {}
     for entry in entries:
         if entry["key"] in failures:
             entry["failure"] = failures[entry["key"]]
@@ -241,7 +242,8 @@ def build_card(run_dir: Path, targets: Targets) -> dict:
         "calibration": (manifest.stage(CALIBRATION) or {}).get("result"),
         "formats": entries,
         "incomplete": [e["key"] for e in entries if not e["complete"] and e["key"] not in failures],
-        "failed": [failures[key] for key in sorted(failures)],
+        # formats that failed, then stages every format shares that failed without stopping the build
+        "failed": [failures[key] for key in sorted(failures)] + [stage_failures[key] for key in sorted(stage_failures)],
         "same_format": same_format_comparisons({"formats": entries}),
         "pareto_front": pareto_front(
             [(c.key, c.size_bytes, c.metrics["kld_mean"]) for c in candidates if c.metrics.get("kld_mean") is not None]

@@ -141,6 +141,35 @@ class QuantforgeGroup(click.Group):
                 err=True,
             )
             ctx.exit(2)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the last line of defence: a bug of ours is one line too
+            log = _write_crash_log(exc)
+            click.echo(
+                f"error: quantforge {__version__} stopped on an unexpected {type(exc).__name__}: "
+                f"{(str(exc).strip().splitlines() or [''])[0][:300]} (traceback: {log}; finished stages are kept, "
+                "the same command resumes; please report this with the traceback)",
+                err=True,
+            )
+            ctx.exit(1)
+
+
+def _write_crash_log(exc: BaseException) -> Path:
+    """The traceback of an unexpected error, in quantforge's cache (the terminal gets one line)."""
+    import tempfile
+    import time
+    import traceback
+
+    from .source import cache_root
+
+    try:
+        folder = cache_root() / "logs"
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        folder = Path(tempfile.gettempdir())
+    log = folder / f"crash-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    log.write_text("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    return log
 
 
 @click.group(cls=QuantforgeGroup)

@@ -7,10 +7,11 @@ footing as the float reference. One small function per checkpoint format, keyed 
   each zero point minus one; scales and g_idx give each input row's group.
 - ``awq`` (GEMM): qweight and qzeros pack 8 output columns per int32 in the interleaved order 0,2,4,6,1,3,5,7;
   zero points are stored as they are.
-- ``compressed-tensors``: ``int-quantized`` stores int8 weights with per-channel scales; ``pack-quantized`` packs
-  signed 4/8-bit values with an offset of 2^(bits-1), 32/bits per int32 along the input dimension.
+- ``compressed-tensors``: ``int-quantized`` stores int8 weights with per-channel scales; ``float-quantized`` FP8
+  (E4M3) weights with per-channel scales; ``pack-quantized`` packs signed 4/8-bit values with an offset of
+  2^(bits-1), 32/bits per int32 along the input dimension.
 
-Formats whose activations are quantized at run time (W8A8: dynamic per-token int8) get that applied to each
+Formats whose activations are quantized at run time (W8A8: dynamic per-token int8 or FP8) get that applied to each
 quantized Linear's input, as vLLM's kernels do.
 """
 
@@ -174,6 +175,24 @@ def quantize_activations_per_token(module: torch.nn.Module, args):
     return (torch.round(x / scale).clamp(-128, 127) * scale,)
 
 
+FP8_MAX = 448.0  # the largest finite float8 E4M3 value
+
+
+def fp8_activations_per_token(module: torch.nn.Module, args):
+    """Dynamic FP8 (E4M3) per token, as FP8 W8A8 kernels quantize a Linear's input at run time: each token scaled
+    so that its largest magnitude is FP8's largest value, then rounded to FP8."""
+    (x,) = args
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return ((x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale,)
+
+
+def activation_hook(scheme: dict | None):
+    """The run-time activation quantization a compressed-tensors scheme asks for, simulated, or None."""
+    if not scheme or not scheme.get("dynamic") or scheme.get("num_bits") != 8:
+        return None
+    return fp8_activations_per_token if scheme.get("type") == "float" else quantize_activations_per_token
+
+
 # Fused projections some architectures have (Phi-3), and the parts a quantizer may have saved them as instead:
 # GPTQModel 7.6 quantizes Phi-3's gate_up_proj as gate_proj and up_proj (vLLM re-fuses them when it loads).
 FUSED_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "qkv_proj": ("q_proj", "k_proj", "v_proj")}
@@ -252,10 +271,12 @@ def float_model_from_artifact(
     device: str = "cpu",
     trust_remote_code: bool = False,
     dequantizers: dict[str, tuple[str, Callable]] | None = None,
+    simulate_activations: bool = True,
 ) -> torch.nn.Module:
     """A model computing in float32 with the dequantized weights of a quantized HF folder (activations simulated
-    too). Its large weights stay packed and are dequantized when their module runs (see ``lean``), so memory holds
-    the artifact's size plus one module's float32 weights, and the logits equal a fully dequantized model's."""
+    too, unless ``simulate_activations`` is False: the weights alone, as a library that only decompresses runs it).
+    Its large weights stay packed and are dequantized when their module runs (see ``lean``), so memory holds the
+    artifact's size plus one module's float32 weights, and the logits equal a fully dequantized model's."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -281,11 +302,12 @@ def float_model_from_artifact(
         _place(model, name, weight)
     activations = _activation_scheme(quant) if quant.get("quant_method") == "compressed-tensors" else None
     model.quantforge_unsimulated = 0  # quantized Linears whose runtime activation quantization is not simulated
-    if activations and activations.get("dynamic") and activations.get("num_bits") == 8:
+    hook = activation_hook(activations) if simulate_activations else None
+    if hook:
         modules = dict(model.named_modules())
         for prefix in quantized:
             if prefix in modules:
-                modules[prefix].register_forward_pre_hook(quantize_activations_per_token)
+                modules[prefix].register_forward_pre_hook(hook)
             else:  # an expert's projection, now a slice of a fused 3-D parameter: no module to hook
                 model.quantforge_unsimulated += 1
     return model.eval()

@@ -36,9 +36,12 @@ class QuantforgeError(Exception):
 
     exit_code = EXIT_BAD_INPUT
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, from_library: bool = False):
         # Keep the message on one line: CLI output and logs are read by people and by grep.
         super().__init__(" ".join(str(message).split()))
+        # Told in our words, but the failure is a library's (a child process's), not the user's input: a stage
+        # that can go on without the figure records it instead of stopping the build (pipeline.shared_stage).
+        self.from_library = from_library
 
 
 class StageFailed(QuantforgeError):
@@ -46,9 +49,11 @@ class StageFailed(QuantforgeError):
 
     exit_code = EXIT_FORMATS_FAILED
 
-    def __init__(self, message: str, record: dict | None = None):
+    def __init__(self, message: str, record: dict | None = None, exit_code: int | None = None):
         super().__init__(message)
         self.record = record or {}
+        if exit_code is not None:  # a stage every format needs (the reference): nothing could be measured
+            self.exit_code = exit_code
 
 
 @contextlib.contextmanager

@@ -44,8 +44,13 @@ def attach_sources(module: torch.nn.Module, sources: dict[str, WeightSource]) ->
         module._quantforge_resting[name] = module._parameters.get(name)
 
 
+def widened(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """The float32 value of a stored weight or bias: the one place a module's parameters are widened."""
+    return None if tensor is None else tensor.float()
+
+
 def _widened(stored: torch.Tensor) -> WeightSource:
-    return lambda: stored.float()
+    return lambda: widened(stored)
 
 
 # Weight elements widened at a time by a large Linear (4 MB of float32). 16 MB slices left the 135M reference 50 MB
@@ -70,16 +75,20 @@ def _restore_table_on_exit(module: torch.nn.Module, args, kwargs, output) -> Non
 
 
 def _chunked_linear(module: torch.nn.Linear, stored: torch.Tensor):
-    """forward() of a large Linear (an LM head) that widens a slice of output rows at a time, writing each slice's
-    product straight into the output (no list of parts to concatenate: that would double the logits' memory)."""
+    """forward() of a large Linear (an LM head, a wide projection) that widens a slice of output rows at a time,
+    writing each slice's product straight into the output (no list of parts to concatenate: that would double the
+    logits' memory)."""
     rows = max(1, CHUNK_ELEMENTS // stored.shape[1])
-    bias = module.bias
 
     def forward(x: torch.Tensor) -> torch.Tensor:
+        # The bias is read when the module runs, through the one widening every parameter gets: it may be replaced
+        # (widened, or placed from a checkpoint) after this forward was made. A Qwen2 q/k/v projection at hidden
+        # 1536 and up once kept its bf16 bias here and failed ("self and mat2 must have the same dtype").
+        bias = widened(module.bias)
         out = x.new_empty((*x.shape[:-1], stored.shape[0]))
         for start in range(0, stored.shape[0], rows):
             part = None if bias is None else bias[start : start + rows]
-            out[..., start : start + rows] = torch.nn.functional.linear(x, stored[start : start + rows].float(), part)
+            out[..., start : start + rows] = torch.nn.functional.linear(x, widened(stored[start : start + rows]), part)
         return out
 
     return forward
@@ -102,11 +111,14 @@ def keep_stored(module: torch.nn.Module, name: str, stored: torch.Tensor) -> Non
 def compute_in_float32(model: torch.nn.Module) -> torch.nn.Module:
     """Make every module compute in float32 while large weights stay in their stored (narrower) dtype."""
     for module in model.modules():
-        for name, param in list(module.named_parameters(recurse=False)):
+        # Small parameters (biases, norms) first, so that no large weight's forward is made while a sibling is
+        # still narrow, whatever order named_parameters yields them in.
+        parameters = sorted(module.named_parameters(recurse=False), key=lambda item: item[1].numel() >= SMALL_PARAMETER)
+        for name, param in parameters:
             if param.dtype == torch.float32 or not param.is_floating_point():
                 continue
             if param.numel() < SMALL_PARAMETER:
-                module._parameters[name] = torch.nn.Parameter(param.detach().float(), requires_grad=False)
+                module._parameters[name] = torch.nn.Parameter(widened(param.detach()), requires_grad=False)
             else:
                 keep_stored(module, name, param.detach())
     return model

@@ -165,6 +165,23 @@ def architecture_problem(architecture: str | None) -> str | None:
     )
 
 
+# The converter runs as its own script (sys.argv, __main__) inside this wrapper, which writes the process's own
+# high-water mark (VmHWM) to a file when it ends: getrusage's peak over children is the largest of every child so
+# far (a speed probe's, say), so a converter smaller than an earlier child went unmeasured.
+REPORTING_PEAK = """
+import atexit, os, runpy, sys
+report = sys.argv[1]
+def write_peak():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            open(report, "w").write(str(int(line.split()[1]) * 1024))
+atexit.register(write_peak)
+sys.argv = sys.argv[2:]
+sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # as `python script.py` would have it
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def convert_hf_to_gguf(
     folder: Path, out_path: Path, *, outtype: str = "f16", name: str | None = None, log_path: Path | None = None
 ) -> dict:
@@ -183,16 +200,21 @@ def convert_hf_to_gguf(
         for file in folder.iterdir():
             (view / file.name).symlink_to(file.resolve())
         script = str(converter / "convert_hf_to_gguf.py")
-        command = [sys.executable, script, str(view), "--outtype", outtype, "--outfile", str(out_path)]
-        command += ["--model-name", name]
+        peak_file = Path(scratch) / "peak"
+        command = [sys.executable, "-c", REPORTING_PEAK, str(peak_file), script]
+        command += [str(view), "--outtype", outtype, "--outfile", str(out_path), "--model-name", name]
         # Its own gguf-py comes first (the script puts it there itself unless NO_LOCAL_GGUF is set).
         env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(converter / "gguf-py"), env.get("PYTHONPATH")]))
         done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if peak_file.exists():
+            from .memory import note_child_peak
+
+            note_child_peak(int(peak_file.read_text()))
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "a") as log:
-            log.write(f"$ {' '.join(command)}\n{done.stdout}{done.stderr}\n")
+            log.write(f"$ {' '.join([sys.executable, *command[4:]])}\n{done.stdout}{done.stderr}\n")
     if done.returncode != 0 or not out_path.exists():
         lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
         last = lines[-1] if lines else f"exit status {done.returncode}"

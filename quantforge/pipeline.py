@@ -101,7 +101,7 @@ class Plan:
 
     @property
     def needs_calibration(self) -> bool:
-        return any(c.backend.needs_calibration for c in self.choices)
+        return any(c.backend.calibrates(c.format) for c in self.choices)
 
     def to_json(self) -> dict:
         return {
@@ -323,6 +323,7 @@ class Build:
         self._intermediates_made: set[str] = set()  # shared files staged in this process (one stage per name)
         self._host: dict | None = None
         self.failures: dict[str, dict] = {}  # format key -> what failed (see failures.describe_failure)
+        self.stage_failures: dict[str, dict] = {}  # shared stage key -> what failed in it (see shared_stage)
         self._host_speed = None  # resources.HostSpeed, measured once per build
 
     # -- the whole build, in run order ---------------------------------------------------------------------------------
@@ -382,6 +383,7 @@ class Build:
                 names = ", ".join(str(p.relative_to(self.run_dir)) for p in removed[:3])
                 self.ui.log(f"removed {len(removed)} half-written file(s) left by an interrupted run: {names}")
             self.manifest = Manifest.open(self.run_dir)
+            self.stage_failures = dict(self.manifest.data.get("stage_failures") or {})
             self.precheck_hub_download()
             self.source = self.fetch()
             import_transformers_slim()  # before the first model or tokenizer class: 0.2 GB less
@@ -404,16 +406,39 @@ class Build:
             self.manifest.save()
 
     def prepare(self) -> Prepared:
-        """What every format of the run shares: evaluation tokens, the reference, the calibration set."""
-        windows = self.tokens()
+        """What every format of the run shares: evaluation tokens, the reference, the calibration set.
+
+        A library failing in the tokens or the reference stops the build (nothing can be compared); in the
+        reference's tasks or speed probe it leaves those figures out; in the calibration set it fails the formats
+        that calibrate. Each is one line with the library and the log (see ``shared_stage``)."""
+        with self.shared_stage(TOKENS, "transformers", fatal=True):
+            windows = self.tokens()
         with LazyRunner(self.open_reference_runner, TASK_CONTEXT) as runner:
-            reference = self.reference(windows, runner)
-            self.tasks(REFERENCE, runner, FETCH)
+            with self.shared_stage(REFERENCE, "transformers", fatal=True):
+                reference = self.reference(windows, runner)
+            with self.shared_stage(tasks_stage(REFERENCE), "lm_eval", fatal=False):
+                self.tasks(REFERENCE, runner, FETCH)
         if self.plan.speed:
             from .artifacts import tensor_bytes
 
-            self.speed(REFERENCE, ("transformers", self.source.path), tensor_bytes(self.source.path), windows[0], FETCH)
-        return Prepared(windows, reference, self.calibration())
+            with self.shared_stage(speed_stage(REFERENCE), "transformers", fatal=False):
+                weights = tensor_bytes(self.source.path)
+                self.speed(REFERENCE, ("transformers", self.source.path), weights, windows[0], FETCH)
+        calibration = None
+        with self.shared_stage(CALIBRATION, "transformers", fatal=False):
+            calibration = self.calibration()
+        if CALIBRATION in self.stage_failures:
+            self.fail_calibrating_formats(self.stage_failures.pop(CALIBRATION))
+        self.record_failures()
+        return Prepared(windows, reference, calibration)
+
+    def fail_calibrating_formats(self, record: dict) -> None:
+        """No calibration set: every format that calibrates fails with its line; the others go on."""
+        for choice in self.plan.choices:
+            if choice.backend.calibrates(choice.format):
+                line = f"{choice.key}: not made: {record['line']}"
+                self.failures[choice.key] = {**record, "key": choice.key, "stage": "calibration", "line": line}
+                self.ui.log(f"[red]✗[/red] {line}")
 
     def prepared_earlier(self) -> Prepared:
         """A release unit's view of its model's prepare unit: the files its finished stages recorded."""
@@ -453,16 +478,63 @@ class Build:
                 )
 
     def card(self) -> dict:
-        return write_card(self.run_dir, self.plan.targets)
+        """The card from the manifest; a library failing here loses no measurement (exit 3: they are all in
+        run.json, and ``quantforge card`` writes the card from them again)."""
+        try:
+            with self.shared_stage("card", "quantforge", fatal=False, swallow=False):
+                return write_card(self.run_dir, self.plan.targets)
+        except StageFailed as failure:
+            advice = f"; every measurement is kept in run.json: 'quantforge card {self.run_dir}' writes the card again"
+            raise StageFailed(str(failure) + advice, failure.record) from failure
 
     def refuse_unsupported(self, choice: Choice) -> None:
-        if choice.key in self.failures and self.failures[choice.key].get("stage") == "check":
+        if choice.key in self.failures and self.failures[choice.key].get("stage") in ("check", "calibration"):
             raise StageFailed(self.failures[choice.key]["line"], self.failures[choice.key])
 
     def record_failures(self) -> None:
-        """The run's failed formats, for the card; a format that later succeeds is no longer listed."""
+        """The run's failed formats and shared stages, for the card; what later succeeds is no longer listed."""
         self.manifest.data["failures"] = self.failures
+        self.manifest.data["stage_failures"] = self.stage_failures
         self.manifest.save()
+
+    @contextlib.contextmanager
+    def shared_stage(self, key: str, library: str, *, fatal: bool, swallow: bool = True):
+        """A library raising in a stage that no single format owns becomes one line: the stage, the library and its
+        version (where the exception left quantforge's code; ``library`` when it did not), its last line and the
+        log that holds the traceback.
+
+        ``fatal``: nothing can be measured without the stage (tokens, reference): the build stops, exit 2.
+        Otherwise the failure is kept for the card (exit 3) and, when ``swallow``, the build goes on without it.
+        Our own one-line errors, interrupts and full or read-only disks pass through as they are.
+        """
+        from .backends import library_version
+        from .errors import EXIT_BAD_INPUT
+        from .failures import describe_failure, is_environment_error, library_of, shown_path
+
+        try:
+            yield
+        except QuantforgeError as exc:
+            if fatal or isinstance(exc, StageFailed) or not exc.from_library:
+                raise
+            failed = exc
+        except Exception as exc:
+            if is_environment_error(exc):
+                raise
+            failed = exc
+        else:
+            self.stage_failures.pop(key, None)
+            return
+        exc = failed
+        log = self.paths.log(key.rstrip("/").replace("/", "-"))
+        name = library_of(exc, library_version(library))
+        record = describe_failure(key, key.split("/")[0], name, exc, log, self.run_dir)
+        record["line"] = f"{key.rstrip('/')} failed in {name}: {record['error']} (log: {shown_path(log)})"
+        if fatal:
+            raise StageFailed(record["line"] + "; nothing was quantized", record, EXIT_BAD_INPUT) from exc
+        self.stage_failures[key] = record
+        self.ui.log(f"[red]✗[/red] {record['line']}")
+        if not swallow:
+            raise StageFailed(record["line"], record) from exc
 
     # -- session: checks before any work, in the order session runs them -----------------------------------------------
 
@@ -755,8 +827,15 @@ class Build:
                 with self.ui.task(f"speed {key} ({runtime})"), open(log, "ab") as stream:
                     done = subprocess.run(command, stdout=subprocess.PIPE, stderr=stream, text=True, env=probe_env)
                 if done.returncode != 0:
-                    raise QuantforgeError(f"the speed probe of {key} failed (exit {done.returncode}); see {log}")
+                    raise QuantforgeError(
+                        f"the speed probe of {key} in {runtime} failed (exit {done.returncode}): {last_log_line(log)}",
+                        from_library=True,
+                    )
                 measured = json.loads(done.stdout.strip().splitlines()[-1])
+                if measured.get("peak_rss_mb"):  # the probe's own VmHWM (getrusage's is the largest child so far)
+                    from .memory import note_child_peak
+
+                    note_child_peak(int(measured["peak_rss_mb"] * (1 << 20)))
                 result.update(measured=True, runtime=runtime, **measured)
                 result.update(device_roofline(measured.get("device", "cpu"), weight_bytes, result))
             atomic_write_json(path, result)
@@ -905,7 +984,7 @@ class Build:
         artifact_dir = self.paths.artifact(choice.key)
         log_dir = self.paths.logs
         checkpoint_dir = self.paths.checkpoint(choice.key)
-        uses_calibration = choice.backend.needs_calibration
+        uses_calibration = choice.backend.calibrates(choice.format)
 
         def produce():
             log = log_dir / f"quantize-{choice.key}.log"
@@ -1045,6 +1124,12 @@ class Build:
         )
 
 
+def last_log_line(log: Path) -> str:
+    """The last line a child process wrote to its log (its exception's, when it raised one)."""
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1].strip()[:300] if lines else "no output"
+
+
 def runs_llamacpp(plan: Plan) -> bool:
     return any(c.format.family == "gguf" for c in plan.choices)
 
@@ -1067,6 +1152,8 @@ def resource_plan(plan: Plan, facts: dict, host) -> dict:
         first_scored=plan.eval.first_scored,
         calibration_tokens=plan.calibration.samples * plan.calibration.seqlen if plan.needs_calibration else 0,
         speed_tokens=(plan.speed["prompt_tokens"] + plan.speed["gen_tokens"]) * plan.speed["runs"] if plan.speed else 0,
+        speed_runs=plan.speed["runs"] if plan.speed else 3,
+        speed_gen_tokens=plan.speed["gen_tokens"] if plan.speed else 0,
         tasks=list(plan.tasks["names"]),
         device=plan.device,
         quantize_dtype=plan.quantize["dtype"],

@@ -182,8 +182,15 @@ def probe_transformers(
 
 
 def _first_linear(model):
+    """The first projection of the first decoder layer, whatever it is named (q_proj; Phi-3's fused qkv_proj; a
+    quantization library's own module class)."""
+    import torch
+
     layer = model.model.layers[0]
-    return layer.self_attn.q_proj
+    for module in layer.modules():
+        if module is not layer and (isinstance(module, torch.nn.Linear) or hasattr(module, "qweight")):
+            return module
+    return layer
 
 
 def probe_vllm(path: Path, prompt: list[int], gen_tokens: int, threads: int, runs: int, device: str = "cuda:0") -> dict:

@@ -43,6 +43,8 @@ SCHEMA: dict = {
         "vocab_size": int,
         "tie_word_embeddings": bool,
         "dtype": str,
+        "num_experts": int,  # a mixture of experts only
+        "expert_intermediate_size": int,
     },
 }
 NOT_SETTINGS = ("name", "description", "model", "targets", "size")

@@ -39,11 +39,18 @@ LIBRARIES_RSS = 0.48 * GB
 # The fetch stage runs before transformers is imported: 0.36 GB at both sizes.
 FETCH_RSS = 0.36 * GB
 TOKENIZER_BYTES_PER_TOKEN = 1000
-# llama.cpp's converter child: its libraries (torch, transformers for the vocabulary) and a share of the checkpoint.
-# Fitted on three children's peaks here: a 30 MB tiny llama 0.65 GB, SmolLM2-135M (269 MB) 0.75 GB, the 0.5B qwen2
-# (1.26 GB) 1.43 GB; the fit gives 0.95x, 1.03x and 1.00x of them (the former 0.35 GB + 0.9 per byte: 0.8x at 135M).
+# llama.cpp's converter child: its libraries (torch, transformers for the vocabulary) and the tensor it is writing,
+# widened (bf16 read, float32, F16 out): its peak follows the largest tensor, not the checkpoint. Measured here:
+# a 30 MB tiny llama 0.65 GB, SmolLM2-135M 0.75 GB, the 0.5B qwen2 1.43 GB, and two-layer models at real widths
+# (tests/real_shapes.py): Qwen2.5-0.5B's 1.40 GB (a 0.33 GB checkpoint), Mistral-7B's 1.30 GB (1.41 GB) and
+# Qwen2.5-7B's 3.82 GB (3.11 GB). The fit gives 0.96-1.08x of all six; the earlier one, 0.6 GB + 0.66 of the
+# checkpoint, gave 0.69x at the 7B shape, whose 545M-element tables it did not see.
 CONVERTER_RSS = 0.60 * GB
-CONVERTER_RESIDENT_SHARE = 0.66
+CONVERTER_BYTES_PER_LARGEST_ELEMENT = 6.0
+# llama.cpp's quantizer reads a tensor, widens it to float32 and writes its quantized copy, one tensor at a time:
+# 0.1 GB + 6.8 bytes an element of the largest tensor (measured on the same three two-layer shapes: 1.02, 0.94-0.97
+# and 3.71-3.84 GB at Q4_K_M and Q8_0; within 1.05x of each).
+GGUF_QUANTIZE_BYTES_PER_LARGEST_ELEMENT = 6.8
 
 # Seconds per unit of work in units of this host's measured float32 GEMM time (2 x parameters x tokens
 # multiply-adds at that rate), or for "evaluate/gguf" of ggml's measured Q8_0 multiply time. Fitted by
@@ -80,9 +87,9 @@ FIXED_SECONDS = {  # start-up work that does not grow with the model: imports, c
 #     weight column by column: measured in proportion to the weights, not to the layers)
 #   + a token factor x calibration tokens x one token through the decoder layers at that rate (the embeddings and
 #     LM head take no part), times BF16_EMULATED_SLOWDOWN for a bf16 calibration on a CPU without bf16 instructions.
-QUANTIZE_START_SECONDS = {"gptq": 3.5, "awq": 10.0, "int8": 3.2}
-QUANTIZE_SOLVE_FACTORS = {"gptq": 6.3e4, "awq": 5.5e5, "int8": 5.2e4}
-QUANTIZE_TOKEN_FACTORS = {"gptq": 8.2, "awq": 184.0, "int8": 13.4}  # AWQ: a grid of 20 scales, each a forward pass
+QUANTIZE_START_SECONDS = {"gptq": 3.5, "awq": 10.0, "int8": 3.2, "fp8": 3.2}
+QUANTIZE_SOLVE_FACTORS = {"gptq": 6.3e4, "awq": 5.5e5, "int8": 5.2e4, "fp8": 5.2e3}
+QUANTIZE_TOKEN_FACTORS = {"gptq": 8.2, "awq": 184.0, "int8": 13.4, "fp8": 0.0}  # AWQ: 20 scales, each a forward
 # A calibration token's time in bf16 over float32 on a CPU without bf16 instructions, where torch emulates bf16
 # multiplies (GPTQModel's GPTQ on SmolLM2-135M, 2 threads; see device.quantizer_dtype).
 BF16_EMULATED_SLOWDOWN = 4.2
@@ -90,7 +97,7 @@ BF16_EMULATED_SLOWDOWN = 4.2
 # more: the model at 4 bytes and about one of the mapped bf16 checkpoint still resident (measured 5.0-5.1 bytes at
 # 135M and 0.5B). Plus what importing the library adds to a process that has imported transformers:
 # gptqmodel 0.18 GB (GPTQ and AWQ), llmcompressor 0.12 GB (INT8).
-QUANTIZE_BYTES_PER_WEIGHT = {"gptq": 2.0, "awq": 4.5, "int8": 2.0}
+QUANTIZE_BYTES_PER_WEIGHT = {"gptq": 2.0, "awq": 4.5, "int8": 2.0, "fp8": 2.4}
 FLOAT32_EXTRA_BYTES_PER_WEIGHT = 3.0
 # GPTQModel quantizing from its disk offload (a bf16 calibration): resident bytes a decoder weight, beside the
 # embedding tables in bf16 (GPTQ fitted on SmolLM2-135M and the 0.5B qwen2: 1.26 and 0.87; AWQ on SmolLM2 alone);
@@ -101,11 +108,13 @@ QUANTIZER_LIBRARY = {
     "gptq": ("gptqmodel", 0.18 * GB),
     "awq": ("gptqmodel", 0.18 * GB),
     "int8": ("llmcompressor", 0.12 * GB),
+    "fp8": ("llmcompressor", 0.12 * GB),
 }
+DATA_FREE_METHODS = frozenset({"fp8"})  # rounded to the nearest value: no calibration activations, no Hessians
 # Each format's quantizer runs in a child process (quantize_process) while the build process waits beside it
 # holding its libraries and tokenizer: the host holds both. llama.cpp's quantizer child is Python, numpy and
 # llama-cpp-python's libraries before the file it maps (measured: 0.15 GB with a 30 MB tiny model's F16 mapped).
-GGUF_QUANTIZE_PROCESS_BYTES = 0.12 * GB
+GGUF_QUANTIZE_PROCESS_BYTES = 0.10 * GB
 # What a torch quantizer's child spends before its backend's quantize() starts: Python, quantforge and the slim
 # transformers import (measured 4.8 s here; QUANTIZE_START_SECONDS, fitted on quantize() alone, has the rest).
 TORCH_QUANTIZER_PROCESS_SECONDS = 4.8
@@ -129,6 +138,21 @@ TASK_ANSWER_ROWS = 64
 FLOAT32_MEMORY_MARGIN = 1.2  # the plan's memory goal: a float32 calibration is chosen only this far inside memory
 CONVERT_SECONDS_PER_GB = 10.8  # llama.cpp's converter: reads the checkpoint, writes F16 (fitted, as above)
 GGUF_QUANTIZE_PARAMETERS_PER_SECOND = 43e6  # llama_model_quantize from F16, per thread (fitted, as above)
+# K-quants (Q4_K ... Q6_K) search each super-block's scales, about 4x the work of the legacy types, on tensors whose
+# rows are a multiple of their 256-value super-block; narrower rows fall back to legacy types (SmolLM2's 576, Qwen
+# 0.5B's 896), which is all the fit above saw. Per thread, the stage's seconds (child, quantization, the artifact's
+# digest) on the two-layer Qwen2.5-7B shape (82.6 s for Q4_K_M); the issue's full-depth builds, not fitted on:
+# Qwen2.5-1.5B 83 s and a 7B-shaped qwen2 342 s, predicted 77 s and 381 s.
+KQUANT_PARAMETERS_PER_SECOND = 10e6
+KQUANT_BLOCK = 256
+# The reference's speed probe: transformers on the checkpoint as stored (bf16), prompt and decode alike at about
+# this many times the float32 GEMM time of its multiplies where torch emulates bf16 (measured here on the two-layer
+# Qwen2.5-7B shape: 128-token prompt at 21.6 GFLOP/s, decode 0.108 s a token, against 152 GFLOP/s float32), 2x
+# where the CPU multiplies bf16 itself (an estimate, not measured); plus Python's time per layer per generated token
+# (SmolLM2-135M, 30 layers: 38 ms a token, 1.1 ms a layer beyond its multiplies). Predicted within 0.9-1.1x of the
+# issue's full-depth 1.5B (142 s) and 7B (571 s) probes, which the old 3 x GEMM time gave as 48 s and 208 s.
+REFERENCE_PROBE_SLOWDOWN = {"emulated": 7.0, "native": 2.0}
+PROBE_LAYER_SECONDS = 0.0011
 NARROW_WIDTH = 1024  # hidden size below which llama.cpp's evaluation slows in proportion (fitted, as above)
 
 
@@ -143,6 +167,8 @@ class ModelSize:
     vocab_size: int
     tie_word_embeddings: bool = False
     dtype: str = "bfloat16"
+    num_experts: int = 0  # a mixture of experts: experts per layer, and each one's MLP width
+    expert_intermediate_size: int = 0
 
     @property
     def stored_bytes(self) -> int:
@@ -165,6 +191,8 @@ class ModelSize:
             vocab_size=int(facts["vocab_size"]),
             tie_word_embeddings=bool(facts.get("tie_word_embeddings", False)),
             dtype=str(facts.get("dtype") or "bfloat16"),
+            num_experts=int(facts.get("num_experts") or 0),
+            expert_intermediate_size=int(facts.get("expert_intermediate_size") or 0),
         )
 
 
@@ -261,12 +289,14 @@ class PlanInputs:
     context: int
     windows: int
     calibration_tokens: int  # samples x seqlen when a format calibrates, else 0
-    speed_tokens: int  # prompt + generated tokens per probe run, 0 when the probe is off
+    speed_tokens: int  # (prompt + generated tokens) x timed runs of a probe, 0 when the probe is off
     tasks: list  # lm-eval task names
     device: str = "cpu"
     quantize_dtype: str = "auto"  # the torch quantizers' arithmetic as asked (device.quantizer_dtype resolves it)
     follows_dtype: frozenset = frozenset()  # formats whose backend calibrates in that arithmetic (the rest in bf16)
     first_scored: int = 0  # positions of each window before the first scored one: the output layer skips them
+    speed_runs: int = 3  # a probe's timed runs (one warm-up run before them)
+    speed_gen_tokens: int = 64  # tokens a probe run generates
 
 
 def process_base_bytes(size: ModelSize) -> int:
@@ -305,8 +335,41 @@ def _llama_window_bytes(size: ModelSize, context: int) -> int:
     return 2 * _logits_bytes(size, min(context, LOGIT_ROWS))
 
 
+# llama.cpp on a CPU copies Q4_K and Q4_0 weights into an interleaved layout for its faster kernels (its "extra
+# buffer types", on by default: what its users run), while the mapped file stays resident too. Q4_K_M keeps about
+# this share of the decoder's weights in Q4_K (attn_v and ffn_down are partly Q6_K). Measured once, at full depth:
+# the Qwen2.5-7B shape's Q4_K_M evaluation held 8.7 GB against 5.7 planned without this term (1.52x); the term adds
+# 3.1 GB. The bundled models' and the two-layer shapes' evaluations did not show it (their Q4_K share is small or
+# falls back to other types). Other types are not counted: not measured.
+REPACKED_Q4_SHARE = 0.85
+REPACKED_TYPES = ("q4km", "q4_0")
+
+
+def _repacked_bytes(size: ModelSize, key: str) -> int:
+    """The copy llama.cpp's CPU backend makes of a GGUF file's Q4 decoder weights (K-quantable rows only)."""
+    quant = key.split("@")[0].removeprefix("gguf-")
+    if quant not in REPACKED_TYPES or size.hidden_size % KQUANT_BLOCK:
+        return 0
+    return int(REPACKED_Q4_SHARE * decoder_parameters(size) * 4.5 / 8)
+
+
+# A mixture of experts stored one Linear per expert (as checkpoints are) is converted by transformers 5 on load into
+# fused 3-D parameters: the whole model is materialized, with a layer's experts held twice while they are fused.
+# Measured on Qwen1.5-MoE-A2.7B's widths at two layers (3.53 GB stored): 1.35x the checkpoint at the load's peak,
+# 1.16x after it (the reference had been planned with the untied embedding table mapped, not read: 1.33x over).
+MOE_LOAD_PEAK = 1.35
+MOE_RESIDENT = 1.16
+
+
+def _loaded_peak(size: ModelSize) -> int:
+    """What loading the checkpoint in transformers holds at its peak (a model kept as stored)."""
+    return int(size.stored_bytes * (MOE_LOAD_PEAK if size.num_experts else 1))
+
+
 def _resident_weights(size: ModelSize) -> int:
     """Stored weights a forward pass touches: an untied embedding table is read only at the looked-up rows."""
+    if size.num_experts:
+        return int(size.stored_bytes * MOE_RESIDENT)
     if size.tie_word_embeddings:
         return size.stored_bytes
     return size.stored_bytes - size.vocab_size * size.hidden_size * size.stored_bytes // size.parameters
@@ -320,6 +383,8 @@ def _quantize_held(size: ModelSize, calibration_tokens: int, method: str, dtype:
     Hessians."""
     activations = calibration_tokens * size.hidden_size * 4 * 4
     hessians = 4 * size.intermediate_size**2 * 4
+    if method in DATA_FREE_METHODS:
+        activations = hessians = 0
     return int(QUANTIZER_LIBRARY[method][1] + _quantizer_weight_bytes(size, method, dtype)) + activations + hessians
 
 
@@ -330,12 +395,58 @@ def _quantizer_weight_bytes(size: ModelSize, method: str, dtype: str) -> int:
         tables = size.parameters - decoder_parameters(size)
         return int(2 * tables + OFFLOAD_DECODER_BYTES_PER_WEIGHT[method] * decoder_parameters(size))
     per_weight = QUANTIZE_BYTES_PER_WEIGHT[method] + (FLOAT32_EXTRA_BYTES_PER_WEIGHT if dtype == "float32" else 0)
-    return int(per_weight * size.parameters)
+    return int(per_weight * size.parameters) + _loaded_peak(size) - size.stored_bytes  # an MoE's fusing on load
 
 
 def _offloaded(method: str, dtype: str) -> bool:
     """Whether this quantizer runs from GPTQModel's disk offload (backends.gptqmodel.disk_offload)."""
     return method in OFFLOAD_DECODER_BYTES_PER_WEIGHT and dtype != "float32"
+
+
+def widened_module_bytes(size: ModelSize) -> int:
+    """float32 bytes of the largest module widened at once while it runs (``lean``): a slice of a large Linear, or
+    a mixture of experts' fused projections, every expert's gate, up and down at once (transformers 5 holds them as
+    3-D parameters of one module). Measured: Qwen1.5-MoE-A2.7B's widths (60 experts of 1408) held the reference
+    2.06x over a plan that counted one Linear's slice."""
+    linear = min(size.hidden_size * size.intermediate_size * 4, 64 << 20)
+    experts = size.num_experts * 3 * size.hidden_size * size.expert_intermediate_size * 4
+    return max(linear, experts)
+
+
+def compute_parameters(size: ModelSize) -> int:
+    """The weights a token is multiplied by: all but an untied input embedding table, which is only looked up."""
+    return size.parameters - (0 if size.tie_word_embeddings else size.vocab_size * size.hidden_size)
+
+
+def largest_tensor_elements(size: ModelSize) -> int:
+    """The largest weight matrix: an embedding table or LM head at real vocabularies, else an MLP projection."""
+    return max(size.vocab_size * size.hidden_size, size.hidden_size * size.intermediate_size)
+
+
+def kquant_parameters(size: ModelSize) -> int:
+    """The weights in rows K-quants take whole (a multiple of 256 values): all rows are hidden-wide but the MLP's
+    down projection's, which are intermediate-wide; narrower ones fall back to legacy types."""
+    down = size.num_layers * size.hidden_size * size.intermediate_size
+    hidden_wide = size.parameters - down if size.hidden_size % KQUANT_BLOCK == 0 else 0
+    return hidden_wide + (down if size.intermediate_size % KQUANT_BLOCK == 0 else 0)
+
+
+def _gguf_quantize_seconds(size: ModelSize, key: str, threads: int) -> float:
+    """K-quant formats (Q4_K_M, Q5_K_M, Q6_K: a "k" in the quant's name) at the K-quant rate where rows allow it."""
+    quant = key.split("@")[0].removeprefix("gguf-")
+    kquant = kquant_parameters(size) if "k" in quant else 0
+    return kquant / (KQUANT_PARAMETERS_PER_SECOND * threads) + (size.parameters - kquant) / (
+        GGUF_QUANTIZE_PARAMETERS_PER_SECOND * threads
+    )
+
+
+def _reference_probe_seconds(size: ModelSize, inputs: "PlanInputs", flop_seconds: float, emulated: bool) -> float:
+    """A warm-up and ``speed_runs`` timed runs, each its prompt and generated tokens, at the stored dtype's rate."""
+    runs = inputs.speed_runs
+    tokens = inputs.speed_tokens * (runs + 1) / runs
+    slowdown = REFERENCE_PROBE_SLOWDOWN["emulated" if emulated else "native"]
+    generated = inputs.speed_gen_tokens * (runs + 1)
+    return tokens * flop_seconds * slowdown + generated * size.num_layers * PROBE_LAYER_SECONDS
 
 
 def decoder_parameters(size: ModelSize) -> int:
@@ -368,14 +479,15 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
     from .backends.llamacpp import LOGIT_ROWS
     from .runners import HEAD_ROWS
 
-    flop_seconds = 2 * size.parameters / (host.gemm_gflops * 1e9)  # one token through the model at GEMM speed
-    ggml_seconds = 2 * size.parameters / (host.ggml_gflops * 1e9) if host.ggml_gflops else None  # at ggml's
+    # one token through the model at GEMM speed (an untied embedding table is looked up, not multiplied)
+    flop_seconds = 2 * compute_parameters(size) / (host.gemm_gflops * 1e9)
+    ggml_seconds = 2 * compute_parameters(size) / (host.ggml_gflops * 1e9) if host.ggml_gflops else None
     # Tokens through the whole model for the evaluation, in equivalent tokens: the output layer's share of the
     # weights is skipped at the positions a scoring convention leaves out (llama-perplexity's second half).
     head_share = size.vocab_size * size.hidden_size / size.parameters
     eval_tokens = inputs.windows * (inputs.context - inputs.first_scored * head_share)
     base = process_base_bytes(size)
-    widened = min(size.hidden_size * size.intermediate_size * 4, 64 << 20)  # one module (or LM-head slice) widened
+    widened = widened_module_bytes(size)
     on_gpu = inputs.device.startswith("cuda")
     offload = on_gpu and host.llamacpp_offload
     task_rows = min(inputs.context, TASK_ANSWER_ROWS)
@@ -440,18 +552,19 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
         seconds = FIXED_SECONDS["intermediate/gguf-f16"] + CONVERT_SECONDS_PER_GB * size.stored_bytes / GB
         # The converter is a child process that maps the checkpoint and writes tensor by tensor, holding part of it
         # at its peak; the build process waits beside it.
-        peak = max(base, int(CONVERTER_RSS + CONVERTER_RESIDENT_SHARE * size.stored_bytes))
-        stages.append(StagePlan(intermediate_stage("gguf-f16"), seconds, peak, size.bf16_bytes, note="child process"))
+        child = int(CONVERTER_RSS + CONVERTER_BYTES_PER_LARGEST_ELEMENT * largest_tensor_elements(size))
+        stages.append(
+            _child_stage(intermediate_stage("gguf-f16"), seconds, base, int(CONVERTER_RSS), child, size.bf16_bytes)
+        )
     bits_of = {key: bits for key, _, bits in inputs.formats}
     for key, family, bits in inputs.formats:
         artifact = int(size.parameters * bits / 8)
         if family == "gguf":
-            seconds = FIXED_SECONDS["quantize/gguf"] + size.parameters / (
-                GGUF_QUANTIZE_PARAMETERS_PER_SECOND * max(1, host.threads)
+            seconds = FIXED_SECONDS["quantize/gguf"] + _gguf_quantize_seconds(size, key, max(1, host.threads))
+            # llama.cpp reads, widens and quantizes one tensor at a time, in a child process beside the build's.
+            child = int(
+                GGUF_QUANTIZE_PROCESS_BYTES + GGUF_QUANTIZE_BYTES_PER_LARGEST_ELEMENT * largest_tensor_elements(size)
             )
-            # llama.cpp maps the F16 file and streams through it (measured: 0.75 of it resident at the peak), in a
-            # child process beside the build's.
-            child = int(GGUF_QUANTIZE_PROCESS_BYTES + 0.75 * size.bf16_bytes)
             stages.append(
                 _child_stage(quantize_stage(key), seconds, base, int(GGUF_QUANTIZE_PROCESS_BYTES), child, artifact)
             )
@@ -462,14 +575,14 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
             work = narrow * eval_tokens * (ggml_seconds or flop_seconds)
             factor = TIME_FACTORS["evaluate/gguf" if ggml_seconds else "evaluate/gguf-by-gemm"]
             seconds = FIXED_SECONDS["evaluate"] + factor * work
-            held = artifact + _llama_window_bytes(size, inputs.context)
+            held = artifact + _llama_window_bytes(size, inputs.context) + (0 if offload else _repacked_bytes(size, key))
             rows = min(inputs.context, LOGIT_ROWS)
             stages.append(runtime_stage(evaluate_stage(key), "llama.cpp", seconds, held, rows, tasks=False))
             for task in inputs.tasks:
                 seconds = FIXED_SECONDS["evaluate"]
                 stages.append(runtime_stage(tasks_stage(key, task), "llama.cpp", seconds, held, task_rows, True))
         else:
-            method = next((m for m in ("int8", "awq") if key.startswith(m)), "gptq")
+            method = next((m for m in ("int8", "awq", "fp8") if key.startswith(m)), "gptq")
             calibration = max(inputs.calibration_tokens, 1)
             dtype = chosen_dtype if key in inputs.follows_dtype else "bfloat16"
             slowdown = BF16_EMULATED_SLOWDOWN if dtype == "bfloat16" and bf16_emulated else 1.0
@@ -498,8 +611,13 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
     if inputs.speed_tokens:
         gguf = {key for key, family, _ in inputs.formats if family == "gguf"}
         for key in [REFERENCE, *bits_of]:
-            seconds = FIXED_SECONDS["speed"] + 3 * flop_seconds * inputs.speed_tokens
-            held = size.stored_bytes if key == REFERENCE else int(bits_of[key] * size.parameters / 8)
+            if key == REFERENCE:
+                seconds = FIXED_SECONDS["speed"] + _reference_probe_seconds(size, inputs, flop_seconds, bf16_emulated)
+            else:
+                seconds = FIXED_SECONDS["speed"] + 3 * flop_seconds * inputs.speed_tokens
+            held = _loaded_peak(size) if key == REFERENCE else int(bits_of[key] * size.parameters / 8)
+            if key in gguf and not offload:
+                held += _repacked_bytes(size, key)
             plan = StagePlan(speed_stage(key), seconds, process_base_bytes(size) + held, note="child process")
             if on_gpu and (offload or key not in gguf):  # the probe runs on the build's device (probe.py)
                 plan.vram_bytes = held + int(CUDA_PROCESS_BYTES)

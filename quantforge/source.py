@@ -171,7 +171,14 @@ def config_facts(config: dict) -> dict:
     text = config.get("text_config") or config
     heads = text.get("num_attention_heads")
     hidden = text.get("hidden_size")
+    # A mixture of experts (Qwen-MoE: num_experts; Mixtral, gpt-oss: num_local_experts; DeepSeek: n_routed_experts):
+    # how many, and each one's MLP width. Given only for such models, so other runs' recorded facts stay the same.
+    experts = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts")
+    moe = {"num_experts": experts, "expert_intermediate_size": text.get("moe_intermediate_size")} if experts else {}
+    if experts and not moe["expert_intermediate_size"]:
+        moe["expert_intermediate_size"] = text.get("intermediate_size")
     return {
+        **moe,
         "hidden_size": hidden,
         "intermediate_size": text.get("intermediate_size"),
         "num_layers": text.get("num_hidden_layers"),

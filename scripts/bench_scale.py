@@ -21,6 +21,13 @@ varied by 25% between runs, more than the distance to the goal. The ratio of eac
 
     .venv/bin/python scripts/bench_scale.py [--models smollm2-135m,qwen2.5-coder-0.5b] [--windows 8] [--repeat 1]
         [--scoring second-half|all]
+
+With ``--shapes-7b`` it instead builds the README headline command's GGUF half (``--formats gguf-q4km``, few
+windows, the speed probe on) on a random-weight model with Qwen2.5-7B's real shapes at full depth (28 layers,
+7.6B parameters, tests/real_shapes.py), and prints each stage's measured time and peak beside the plan. It writes
+about 35 GB (the 15 GB checkpoint, its F16 GGUF, the Q4_K_M file) under ``--work`` and removes them after.
+
+    .venv/bin/python scripts/bench_scale.py --shapes-7b [--work DIR] [--windows 2]
 """
 
 from __future__ import annotations
@@ -176,8 +183,52 @@ def print_model(name: str, model: dict) -> None:
         print(f"  perplexity {key}: quantforge {figures['quantforge']}, llama-perplexity {figures['llama-perplexity']}")
 
 
+def shapes_7b(work: Path, windows: int, threads: int, as_json: bool) -> dict:
+    """The headline command's GGUF half on a full-depth, random-weight Qwen2.5-7B shape: stages against the plan."""
+    import shutil
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from real_shapes import write_random_model  # noqa: E402
+
+    work.mkdir(parents=True, exist_ok=True)
+    model, out = work / "qwen2.5-7b-shaped", work / "run"
+    try:
+        started = time.perf_counter()
+        write_random_model("qwen2.5-7b", model, layers=28)
+        written = time.perf_counter() - started
+        args = ["build", str(model), "--formats", "gguf-q4km", "--out", str(out), "--ppl-windows", str(windows),
+                "--threads", str(threads)]  # fmt: skip
+        plan = json.loads(subprocess.run(QUANTFORGE + args + ["--plan-only", "--json"], capture_output=True,
+                                         text=True, check=True).stdout)  # fmt: skip
+        seconds, _ = timed(QUANTFORGE + args, log=work / "build.log")
+        manifest = json.loads((out / "run.json").read_text())
+        stages = plan_versus_actual(plan, manifest["stages"])
+        report = {"parameters": plan["model"]["parameters"], "model_written_seconds": round(written, 1),
+                  "wall_seconds": round(seconds, 1), "predicted_seconds": plan["total"]["seconds"],
+                  "predicted_peak_rss_bytes": plan["total"]["peak_rss_bytes"], "stages": stages,
+                  # each stage's build-process and child peaks, to tell which side of a stage outgrew its plan
+                  "memory": {key: record.get("memory") for key, record in manifest["stages"].items()}}  # fmt: skip
+    finally:
+        shutil.rmtree(model, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
+    if not as_json:
+        print(f"Qwen2.5-7B shape, random weights, 28 layers: {report['parameters'] / 1e9:.2f}B parameters "
+              f"(written in {written:.0f} s); build {seconds / 60:.1f} min, predicted "
+              f"{report['predicted_seconds'] / 60:.1f} min")  # fmt: skip
+        print(f"  {'stage':28} {'pred s':>8} {'s':>8} {'ratio':>6} {'pred GB':>8} {'GB':>6} {'ratio':>6}")
+        for row in stages:
+            gb = (row["peak_rss_bytes"] or 0) / 1e9
+            print(f"  {row['key']:28} {row['predicted_seconds']:8.1f} {row['seconds'] or 0:8.1f} "
+                  f"{row['time_ratio']!s:>6} {row['predicted_peak_rss_bytes'] / 1e9:8.2f} {gb:6.2f} "
+                  f"{row['memory_ratio']!s:>6}", flush=True)  # fmt: skip
+    return report
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes-7b", action="store_true", help="the 7B-shaped GGUF build instead (see above)")
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "bench-scale-7b",
+                        help="with --shapes-7b: where its 35 GB go")  # fmt: skip
     parser.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--windows", type=int, default=8)
@@ -188,6 +239,13 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--save", type=Path, help="also write the report as JSON to this file")
     args = parser.parse_args()
+    if args.shapes_7b:
+        report = shapes_7b(args.work, args.windows if args.windows != 8 else 2, args.threads, args.json)
+        if args.save:
+            args.save.write_text(json.dumps(report, indent=2))
+        if args.json:
+            print(json.dumps(report, indent=2))
+        return 0
     report = {"models": {}}
     for model in args.models.split(","):
         ours_runs, theirs_runs = [], []

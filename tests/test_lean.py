@@ -46,6 +46,24 @@ def test_stored_dtype_model_gives_float32_logits_exactly(tiny_model, kind, every
     assert torch.equal(ours, _logits(float32, ids))
 
 
+@pytest.mark.parametrize("small", [lean.SMALL_PARAMETER, 0], ids=["biases-widened-once", "biases-kept-stored"])
+def test_a_chunked_linear_with_a_bias_gives_float32_logits_exactly(tiny_model, small, monkeypatch):
+    """Qwen2's q/k/v projections have biases. Above CHUNK_ELEMENTS (Qwen2.5-1.5B and up: hidden 1536) their forward
+    widens a slice of rows at a time; it once kept the bias as it was before widening and failed with "self and
+    mat2 must have the same dtype". Chunks forced small here so the tiny qwen2's q_proj takes that path."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(lean, "CHUNK_ELEMENTS", 1 << 15)  # q_proj (256 x 256) in two slices of 128 rows
+    monkeypatch.setattr(lean, "SMALL_PARAMETER", small)
+    folder = tiny_model("qwen2")
+    lean_model = lean.stored_dtype_model(folder)
+    q_proj = lean_model.model.layers[0].self_attn.q_proj
+    assert q_proj.bias is not None and "forward" in vars(q_proj)  # the chunked path, with a bias
+    ids = torch.randint(3, 1000, (1, 40), generator=torch.Generator().manual_seed(0))
+    float32 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert torch.equal(_logits(lean_model, ids), _logits(float32, ids))
+
+
 def test_lean_model_holds_less_than_float32(tiny_model):
     folder = tiny_model("qwen2")  # a 151,936-token table: the embedding dominates
     model = lean.stored_dtype_model(folder)

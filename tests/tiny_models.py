@@ -138,13 +138,23 @@ def build_tiny_model(kind: str, tokenizer_dir: Path, out: Path, seed: int = 0) -
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     out.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(out)  # as checkpoints on the Hub are stored
+    tokenizer_files_into(tokenizer, out, tokenizer_dir)
+    return out
+
+
+def tokenizer_files_into(tokenizer: str, out: Path, smollm_dir: Path | None = None) -> None:
+    """Write the tokenizer of kind ``tokenizer`` ("smollm", "gpt2", "sp" or "qwen") into the model folder ``out``."""
     if tokenizer == "sp":
         write_sentencepiece_tokenizer(out)
-        return out
+        return
     if tokenizer == "qwen":
         from quantforge.source import bundled_tokenizer
 
         tokenizer_dir = bundled_tokenizer("qwen2.5-coder-0.5b")
+    else:
+        from quantforge.source import BUNDLED
+
+        tokenizer_dir = smollm_dir or BUNDLED["smollm2-135m"](lambda message: None)
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, out / name)
@@ -152,4 +162,3 @@ def build_tiny_model(kind: str, tokenizer_dir: Path, out: Path, seed: int = 0) -
         # llama.cpp's phi3 converter reads the vocabulary as GPT-2 BPE only when the tokenizer says it is one.
         config = json.loads((out / "tokenizer_config.json").read_text())
         (out / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}))
-    return out

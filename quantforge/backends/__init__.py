@@ -127,6 +127,10 @@ class Backend(abc.ABC):
     # the packages it never uses (memory.import_transformers_slim). llama.cpp's quantizers need no torch at all.
     quantizes_in_transformers: ClassVar[bool] = True
 
+    def calibrates(self, fmt: Format) -> bool:
+        """Whether quantize() reads the run's calibration set for ``fmt`` (a backend may make data-free formats)."""
+        return self.needs_calibration
+
     def unavailable_reason(self) -> str | None:
         """Why this backend cannot run on this host, or None. Must not import the heavy library."""
         missing = [module for module in self.requires if importlib.util.find_spec(module) is None]

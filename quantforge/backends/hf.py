@@ -148,7 +148,9 @@ class HFFolderBackend(Backend):
         runner = TorchRunner(model, threads)
         runner.runtime = "transformers (dequantized in torch)"
         if model.quantforge_unsimulated:
-            runner.runtime += f"; activation int8 not simulated in {model.quantforge_unsimulated} expert projections"
+            runner.runtime += (
+                f"; activation quantization not simulated in {model.quantforge_unsimulated} expert projections"
+            )
         return runner
 
     def deployment(self, folder: Path, card: dict, entry: dict, chat: tuple[str | None, dict]) -> Deployment:

@@ -1,4 +1,5 @@
-"""INT8 W8A8 (SmoothQuant + GPTQ) through llm-compressor, as the compressed-tensors checkpoint vLLM serves.
+"""INT8 W8A8 (SmoothQuant + GPTQ) and FP8 W8A8 through llm-compressor, as the compressed-tensors checkpoints vLLM
+serves.
 
 ``int8``: weights int8 per output channel (GPTQ), activations int8 per token, quantized dynamically at run time;
 SmoothQuant first moves activation outliers into the weights. The same library also writes GPTQ W4A16/W8A16 as
@@ -24,8 +25,23 @@ FORMATS = {
     "gptq-int8": Format(
         "gptq-int8", "hf", "GPTQ W8A16 (compressed-tensors)", VLLM_RUNTIMES, 8.25, hub_suffix="GPTQ-Int8"
     ),
+    # FP8 E4M3 weights per output channel and activations per token, scaled at run time: the 8-bit format of
+    # Hopper, Ada and Blackwell GPUs. Round to nearest, no calibration data (llm-compressor's FP8_DYNAMIC scheme).
+    "fp8": Format(
+        "fp8",
+        "hf",
+        "FP8 W8A8 dynamic",
+        VLLM_RUNTIMES,
+        8.1,
+        "FP8 weights and activations (vLLM on Hopper, Ada, Blackwell)",
+        "FP8-Dynamic",
+    ),
 }
-SCHEMES = {"int8": "W8A8", "gptq-int4": "W4A16", "gptq-int8": "W8A16"}
+SCHEMES = {"int8": "W8A8", "gptq-int4": "W4A16", "gptq-int8": "W8A16", "fp8": "FP8_DYNAMIC"}
+DATA_FREE = frozenset({"fp8"})
+# A mixture of experts' routers stay in 16 bits (llm-compressor's and vLLM's FP8 MoE examples leave them out: they
+# are small, and a quantized router changes which experts run).
+ROUTERS = ["re:.*mlp.gate$", "re:.*shared_expert_gate$"]
 SMOOTHING_STRENGTH = 0.8  # llm-compressor's W8A8 examples
 
 # Model types where SmoothQuant as llm-compressor 0.14 maps it would change what the model computes, so int8 is made
@@ -78,8 +94,11 @@ class LLMCompressorBackend(HFFolderBackend):
     alternative_for = frozenset({"gptq-int4", "gptq-int8"})
     progress_pattern = r"\((\d+)/(\d+)\): Propagating"  # one pass over the layers per modifier
 
+    def calibrates(self, fmt) -> bool:
+        return fmt.name not in DATA_FREE
+
     def group_size(self, source, fmt, settings: dict):
-        if fmt.name == "int8":
+        if fmt.name in ("int8", "fp8"):
             return None, None  # per output channel: no groups
         return super().group_size(source, fmt, settings)
 
@@ -87,11 +106,11 @@ class LLMCompressorBackend(HFFolderBackend):
         import torch
         from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
         from datasets import Dataset
-        from llmcompressor import oneshot
         from llmcompressor.modifiers.quantization import GPTQModifier
-        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         set_threads(job.threads)
+        if job.format.name in DATA_FREE:
+            return self.quantize_data_free(job)
         calibration = load_calibration(job.calibration)
         dataset = Dataset.from_dict(
             {
@@ -124,26 +143,13 @@ class LLMCompressorBackend(HFFolderBackend):
             )
         recipe.append(gptq)
         torch.manual_seed(0)
-        # bf16, as GPTQModel loads it too: the tensors left unquantized (embeddings, norms) are saved in the dtype
-        # the model was calibrated in, and a release ships them in 16 bits.
-        model = AutoModelForCausalLM.from_pretrained(
-            job.source.path,
-            dtype=torch.bfloat16,
-            device_map=job.device,
-            trust_remote_code=job.source.trust_remote_code,
+        self.compress(
+            job,
+            recipe,
+            dataset=dataset,
+            max_seq_length=int(calibration.shape[1]),
+            num_calibration_samples=int(calibration.shape[0]),
         )
-        tokenizer = AutoTokenizer.from_pretrained(job.source.path)
-        with model_let_go_afterwards():
-            oneshot(
-                model=model,
-                dataset=dataset,
-                recipe=recipe,
-                max_seq_length=int(calibration.shape[1]),
-                num_calibration_samples=int(calibration.shape[0]),
-            )
-            model.save_pretrained(job.out, save_compressed=True)
-        tokenizer.save_pretrained(job.out)
-        drop_load_time_keys(job.out)
         facts = {
             "library": "llmcompressor",
             "scheme": scheme,
@@ -159,6 +165,35 @@ class LLMCompressorBackend(HFFolderBackend):
         if note:
             facts["group_size_note"] = note
         return facts
+
+    def quantize_data_free(self, job: QuantizeJob) -> dict:
+        """FP8 dynamic: weights rounded to FP8 per output channel, no calibration data."""
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+
+        ignore = ["lm_head", *ROUTERS]
+        self.compress(job, [QuantizationModifier(targets="Linear", scheme=SCHEMES[job.format.name], ignore=ignore)])
+        return {"library": "llmcompressor", "scheme": SCHEMES[job.format.name], "calibration": "none (data-free)"}
+
+    def compress(self, job: QuantizeJob, recipe: list, **calibration) -> None:
+        """Load the source in bf16, run llm-compressor's oneshot with ``recipe``, save the compressed folder."""
+        import torch
+        from llmcompressor import oneshot
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        # bf16, as GPTQModel loads it too: the tensors left unquantized (embeddings, norms) are saved in the dtype
+        # the model was calibrated in, and a release ships them in 16 bits.
+        model = AutoModelForCausalLM.from_pretrained(
+            job.source.path,
+            dtype=torch.bfloat16,
+            device_map=job.device,
+            trust_remote_code=job.source.trust_remote_code,
+        )
+        tokenizer = AutoTokenizer.from_pretrained(job.source.path)
+        with model_let_go_afterwards():
+            oneshot(model=model, recipe=recipe, **calibration)
+            model.save_pretrained(job.out, save_compressed=True)
+        tokenizer.save_pretrained(job.out)
+        drop_load_time_keys(job.out)
 
     def probe_target(self, artifact_dir: Path) -> tuple[str, Path] | str:
         return vllm_target(artifact_dir) or (
