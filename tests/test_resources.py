@@ -118,7 +118,9 @@ def test_on_cuda_each_process_that_computes_there_adds_a_cuda_context():
     offloads = make_resource_plan(QWEN_7B, _inputs(formats, "cuda:0", 128 * 512), replace(HOST, llamacpp_offload=True))
     gguf = _stage(offloads, "evaluate/gguf-q4km")
     assert artifact["gguf-q4km"] + CUDA_PROCESS_BYTES < gguf["vram_bytes"] < 1.2 * artifact["gguf-q4km"] + 1 * GB
-    assert gguf["peak_rss_bytes"] == _stage(cpu_llamacpp, "evaluate/gguf-q4km")["peak_rss_bytes"]
+    # The host still holds the mapped file while llama.cpp loads it; evaluated on the CPU it also holds the copy of
+    # the Q4_K weights llama.cpp repacks for its CPU kernels (measured at the 7B shape: docs/benchmarks.md).
+    assert artifact["gguf-q4km"] < gguf["peak_rss_bytes"] < _stage(cpu_llamacpp, "evaluate/gguf-q4km")["peak_rss_bytes"]
     on_cpu = make_resource_plan(QWEN_7B, _inputs(formats, "cpu", 128 * 512), replace(HOST, llamacpp_offload=True))
     assert all(stage["vram_bytes"] == 0 for stage in on_cpu["stages"])
 
