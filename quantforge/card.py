@@ -5,7 +5,7 @@ card.json (schema ``quantforge.card/1``):
     evaluation   text (name, source, sha256), context, windows, tokens scored, scoring convention
     reference    the unquantized model's measurements
     formats[]    key, format, scheme, backend, family, runtimes, artifact, size_bytes, bits_per_weight,
-                 metrics (perplexity, perplexity_increase_pct, kld_mean, kld_p99, top1_agreement,
+                 metrics (perplexity, perplexity_increase_pct, kld_mean, top1_agreement,
                  task_recovery_pct, task_recovery_pct[TASK], decode_tps, gpu_needed_gb), tasks (per task: metric,
                  value, stderr, samples, recovery_pct), speed (probe and roofline), memory_fit (per GPU),
                  how (runtime, threads, seconds), quantize facts (fallbacks, tensor types, group size)
@@ -81,11 +81,11 @@ def _with_recovery(results: dict, reference: dict) -> tuple[dict, float | None]:
 
 
 def _intervals(result: dict, tasks: dict, reference_tasks: dict) -> dict:
-    """metric -> 95% interval (see uncertainty.py): a paired bootstrap over the perplexity windows, and the delta
-    method on each task's standard errors. Empty for a run evaluated before intervals were recorded."""
-    from .uncertainty import mean_recovery_interval, paired_bootstrap, recovery_interval
+    """metric -> 95% interval (see uncertainty.py): Student's t over the perplexity windows' paired figures, and
+    the delta method on each task's standard errors. Empty for a run evaluated before intervals were recorded."""
+    from .uncertainty import mean_recovery_interval, recovery_interval, window_intervals
 
-    intervals = paired_bootstrap(result["per_window"]) if result.get("per_window") else {}
+    intervals = window_intervals(result["per_window"]) if result.get("per_window") else {}
     task_intervals = []
     for name, task in tasks.items():
         base = reference_tasks.get(name)
@@ -126,8 +126,6 @@ def _format_entries(manifest: Manifest) -> list[dict]:
                     "perplexity",
                     "perplexity_stderr",
                     "kld_mean",
-                    "kld_median",
-                    "kld_p99",
                     "top1_agreement",
                     "tokens_scored",
                 )

@@ -12,7 +12,14 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .errors import DISK_ADVICE, DISK_ERRORS, EXIT_FORMATS_FAILED, EXIT_INTERRUPTED, QuantforgeError
+from .errors import (
+    DISK_ADVICE,
+    DISK_ERRORS,
+    EXIT_FORMATS_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_NO_RECOMMENDATION,
+    QuantforgeError,
+)
 from .openmp import wait_briefly
 from .rundir import CARD_MARKDOWN, MANIFEST_NAME, RunDir
 from .settings import click_options
@@ -47,7 +54,9 @@ def _task_recovery(value: str | None) -> dict[str, float] | None:
 
 TARGET_OPTIONS = [
     click.option("--max-ppl-increase", type=float, help="Target: largest perplexity increase in percent (default 5)."),
-    click.option("--max-kld", type=float, help="Target: largest mean KL divergence against the reference."),
+    click.option(
+        "--max-kld", type=float, help="Target: largest mean KL divergence against the reference (default 0.1)."
+    ),
     click.option("--min-top1-agreement", type=float, help="Target: smallest top-1 token agreement (0-1)."),
     click.option("--min-recovery", type=float, help="Target: smallest mean task accuracy recovery, in percent."),
     click.option("--min-task-recovery", help="Target per task, e.g. arc_easy=98,hellaswag=97 (percent)."),
@@ -60,10 +69,18 @@ TARGET_OPTIONS = [
 ]
 
 
+# Not a target: what the exit status says of the verdict, for release pipelines that gate on it.
+REQUIRE_RECOMMENDATION = click.option(
+    "--require-recommendation",
+    is_flag=True,
+    help="Exit 4 when no format meets the targets (after 3 for failed formats), so a pipeline can gate on it.",
+)
+
+
 def target_options(function):
     for option in reversed(TARGET_OPTIONS):
         function = option(function)
-    return function
+    return REQUIRE_RECOMMENDATION(function)
 
 
 def target_overrides(**values) -> dict:
@@ -199,7 +216,20 @@ def main() -> None:
 )
 @push_options
 @click.option("--json", "as_json", is_flag=True, help="Print the card as JSON on stdout.")
-def build(model, out, recipe_file, force, plan_only, push_to_hub, private, gguf_repos, split_size, as_json, **rest):
+def build(
+    model,
+    out,
+    recipe_file,
+    force,
+    plan_only,
+    push_to_hub,
+    private,
+    gguf_repos,
+    split_size,
+    as_json,
+    require_recommendation,
+    **rest,
+):
     """Fetch MODEL (a recipe, Hub id, local folder or bundled model), quantize, evaluate, write the card."""
     from .pipeline import BuildRequest
     from .pipeline import build as run_build
@@ -226,6 +256,7 @@ def build(model, out, recipe_file, force, plan_only, push_to_hub, private, gguf_
     if push_to_hub:
         _push(Path(card["provenance"]["run_dir"]), push_to_hub, private, gguf_repos, split_bytes, as_json)
     _exit_if_failed(card)
+    _exit_if_no_recommendation(card, require_recommendation)
 
 
 def _print_resource_plan(request, as_json: bool) -> None:
@@ -288,6 +319,13 @@ def _exit_if_failed(card: dict) -> None:
         raise SystemExit(EXIT_FORMATS_FAILED)
 
 
+def _exit_if_no_recommendation(card: dict, required: bool) -> None:
+    """--require-recommendation: exit 4 when nothing meets the targets (the card is written all the same)."""
+    if required and not card["decision"]["recommended"]:
+        click.echo(f"no format meets the targets: {card['decision'].get('closest')}", err=True)
+        raise SystemExit(EXIT_NO_RECOMMENDATION)
+
+
 def _print_card(card: dict, as_json: bool, ui) -> None:
     if as_json:
         click.echo(json.dumps(card, indent=2))
@@ -299,6 +337,8 @@ def _print_card(card: dict, as_json: bool, ui) -> None:
         ui.log(f"{marker} {verdict['key']}: {verdict['reason']}")
     if decision["recommended"]:
         click.echo(f"recommended: {decision['recommended']}")
+        if decision.get("smallest") and decision["smallest"] != decision["recommended"]:
+            click.echo(f"smallest meeting the targets: {decision['smallest']}")
     else:
         click.echo(f"recommended: none ({decision.get('closest')})")
     click.echo(f"card: {Path(card['provenance'].get('run_dir', '.')) / 'card.md'}")
@@ -399,7 +439,7 @@ def definitions(as_json):
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @target_options
 @click.option("--json", "as_json", is_flag=True, help="Print the card as JSON.")
-def card(run_dir, as_json, **targets):
+def card(run_dir, as_json, require_recommendation, **targets):
     """Re-decide and re-render the card of a run from its stored measurements (optionally with new targets)."""
     from .card import write_card
     from .decide import Targets
@@ -410,6 +450,7 @@ def card(run_dir, as_json, **targets):
     stored = json.loads((run_dir / MANIFEST_NAME).read_text()).get("plan", {}).get("targets") or {}
     result = write_card(run_dir, Targets(**{**stored, **target_overrides(**targets)}))
     _print_card(result, as_json, UI())
+    _exit_if_no_recommendation(result, require_recommendation)
 
 
 @main.command()

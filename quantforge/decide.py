@@ -2,7 +2,10 @@
 
 Formats are ordered by how aggressive they are, measured from the artifact (effective bits per weight over all
 tensors), not by name. The least aggressive format that meets every target wins, so INT8 beats INT4 whenever INT8
-is good enough. A target whose metric was not measured is "unverified" and never counts as met.
+is good enough. Files of equal size (the plain, importance-matrix and AutoRound GGUFs of one type hold the same
+tensor bytes) are ordered by measured quality: KL divergence, then perplexity change. The smallest file that meets
+every target is named beside the recommendation. A target whose metric was not measured is "unverified" and never
+counts as met.
 
 Where a metric has a 95% interval (uncertainty.py), each check also says whether the target is met, missed or
 "within noise" (the interval holds values on both sides of the limit). The decision itself stays on the point
@@ -48,8 +51,13 @@ RUNTIMES = ("any", "vllm", "transformers", "llama.cpp", "ollama")
 
 @dataclass
 class Targets:
+    # The defaults, one on the mean and one on the whole distribution. Perplexity alone passed a file that agreed
+    # with the reference on 43% of top tokens (tiny random llama: Q4_K_M at +0.006% perplexity, KLD 0.079; on
+    # flatter models perplexity barely moves). KLD 0.1 passes the 4-bit files that serve well (SmolLM2-135M
+    # Q4_K_M 0.060 plain, 0.038 with an importance matrix; 7-8B models' Q4_K_M sit lower still) and stops GPTQ int4
+    # without calibration care (SmolLM2 0.168, +19.9% perplexity) and broken files (0.6).
     max_ppl_increase: float | None = 5.0  # percent
-    max_kld: float | None = None
+    max_kld: float | None = 0.1
     min_top1_agreement: float | None = None  # 0-1
     min_recovery: float | None = None  # mean task recovery, percent
     min_task_recovery: dict[str, float] = field(default_factory=dict)  # per task, percent
@@ -63,10 +71,11 @@ class Targets:
     def problems(self, runtimes: tuple[str, ...] = RUNTIMES) -> list[str]:
         """Targets that cannot be met by any measurement, as one-line messages (``runtimes``: the known ones)."""
         problems = []
-        for name in ("max_ppl_increase", "max_kld", "max_size_gb", "min_decode_tps"):
+        flags = {"max_ppl_increase": "--max-ppl-increase", "max_kld": "--max-kld", "max_size_gb": "--max-size"}
+        for name, flag in {**flags, "min_decode_tps": "--min-decode-tps"}.items():
             value = getattr(self, name)
             if value is not None and value < 0:
-                problems.append(f"--{name.replace('_', '-')} must not be negative (got {value})")
+                problems.append(f"{flag} must not be negative (got {value})")
         if self.max_size_gb is not None and self.max_size_gb == 0:
             problems.append("--max-size must be more than 0 GB")
         if self.min_top1_agreement is not None and not 0 <= self.min_top1_agreement <= 1:
@@ -103,6 +112,11 @@ class Targets:
     def to_json(self) -> dict:
         return asdict(self)
 
+    def defaults(self) -> set[str]:
+        """Names of the targets left at quantforge's default values (the card says which they are)."""
+        default = Targets()
+        return {name for name, value in asdict(self).items() if value is not None and value == getattr(default, name)}
+
 
 @dataclass
 class Verdict:
@@ -118,6 +132,7 @@ class Decision:
     verdicts: list[Verdict]  # in order of aggressiveness, least aggressive first
     best_per_family: dict[str, str]
     closest: str | None = None  # when nothing meets the targets: which format came nearest, and how
+    smallest: str | None = None  # the most aggressive format that meets every target (the closest of equal size)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -135,6 +150,37 @@ def _value(candidate: Candidate, metric: str) -> float | None:
     if metric == "size_gb":
         return candidate.size_bytes / 1e9
     return candidate.metrics.get(metric)
+
+
+# Bits per weight equal to this many decimals are the same size: the same tensor types, whatever made them.
+SAME_SIZE_DECIMALS = 3
+
+
+def _rank(candidate: Candidate) -> tuple:
+    """Least aggressive first; equal sizes by measured quality (an unmeasured metric ranks last); the key breaks
+    what remains, so the order never depends on input order."""
+    missing = float("inf")
+    kld = candidate.metrics.get("kld_mean")
+    ppl = candidate.metrics.get("perplexity_increase_pct")
+    return (
+        -round(candidate.bits_per_weight, SAME_SIZE_DECIMALS),
+        missing if kld is None else kld,
+        missing if ppl is None else ppl,
+        candidate.key,
+    )
+
+
+def _same_size(a: Candidate, b: Candidate) -> bool:
+    return round(a.bits_per_weight, SAME_SIZE_DECIMALS) == round(b.bits_per_weight, SAME_SIZE_DECIMALS)
+
+
+def _farther(candidate: Candidate, closer: Candidate) -> str:
+    """ "same size as X, farther from the reference: KLD a against b" (the measure that ranked them)."""
+    for metric, label in (("kld_mean", "KLD"), ("perplexity_increase_pct", "perplexity change")):
+        mine, theirs = candidate.metrics.get(metric), closer.metrics.get(metric)
+        if mine is not None and theirs is not None and mine != theirs:
+            return f"same size as {closer.key}, farther from the reference: {label} {_fmt(mine)} against {_fmt(theirs)}"
+    return f"same size as {closer.key}, not measured closer to the reference"
 
 
 def _check(candidate: Candidate, target: Target) -> dict:
@@ -198,16 +244,17 @@ def decide(
             verdicts.append(Verdict(candidate.key, "excluded", f"does not run in {targets.runtime}"))
         else:
             eligible.append(candidate)
-    # Least aggressive first; the key breaks ties so the order never depends on input order.
-    eligible.sort(key=lambda c: (-c.bits_per_weight, c.key))
+    eligible.sort(key=_rank)
     ranked: list[Verdict] = []
-    recommended = None
+    recommended = smallest = None
     best_per_family: dict[str, str] = {}
     for candidate in eligible:
         checks = [_check(candidate, target) for target in limits]
         failed = [c for c in checks if c["met"] is not True]
         if not failed:
             best_per_family.setdefault(candidate.family, candidate.key)
+            if smallest is None or not _same_size(candidate, smallest):
+                smallest = candidate  # the first (closest) file of each smaller size
             if recommended is None:
                 recommended = candidate
                 reason = "least aggressive format that meets every target" + (
@@ -215,6 +262,8 @@ def decide(
                 )
                 reason += _noise_note(candidate, checks, by_name)
                 ranked.append(Verdict(candidate.key, "recommended", reason, checks))
+            elif smallest is not candidate:  # a closer file of this size meets the targets too
+                ranked.append(Verdict(candidate.key, "meets targets", _farther(candidate, smallest), checks))
             else:
                 reason = (
                     f"more aggressive than needed: {candidate.bits_per_weight:.2f} bits/weight where "
@@ -231,6 +280,9 @@ def decide(
                 reasons.append("missed " + target.describe(check["value"]))
         reason = "; ".join(reasons) + _noise_note(candidate, [c for c in failed if c["met"] is False], by_name)
         ranked.append(Verdict(candidate.key, "misses targets", reason, checks))
+    if smallest is not None and smallest is not recommended:
+        verdict = next(v for v in ranked if v.key == smallest.key)
+        verdict.reason += "; the smallest file that meets every target"
     closest = None
     if recommended is None and ranked:
 
@@ -243,7 +295,13 @@ def decide(
         else:
             closest = "no format has every targeted metric measured"
     verdicts += [Verdict(key, "failed", line) for key, line in sorted((failures or {}).items())]
-    return Decision(recommended.key if recommended else None, ranked + verdicts, best_per_family, closest)
+    return Decision(
+        recommended.key if recommended else None,
+        ranked + verdicts,
+        best_per_family,
+        closest,
+        smallest.key if smallest else None,
+    )
 
 
 def pareto_front(points: list[tuple[str, float, float]]) -> list[str]:

@@ -2,7 +2,8 @@
 
 Exit codes of ``quantforge build`` (and ``release``): 0 everything made and measured; 2 bad input or environment,
 refused before or without touching what was already produced; 3 some formats failed inside their library (the
-others were finished, the card lists each failure, and the same command retries only what failed); 130 interrupted.
+others were finished, the card lists each failure, and the same command retries only what failed); 4 with
+``--require-recommendation``, when every format was made and measured and none meets the targets; 130 interrupted.
 """
 
 import contextlib
@@ -12,6 +13,7 @@ import threading
 
 EXIT_BAD_INPUT = 2
 EXIT_FORMATS_FAILED = 3
+EXIT_NO_RECOMMENDATION = 4
 EXIT_INTERRUPTED = 130
 
 

@@ -5,8 +5,6 @@ Reads only the card's JSON (see ``card.py``), so the HTML card renders the same 
 
 from __future__ import annotations
 
-from .uncertainty import BOOTSTRAP_SAMPLES
-
 
 def bos_convention(bos_token_id: int | None) -> str:
     if bos_token_id is None:
@@ -26,6 +24,23 @@ def _interval(interval: dict | None, form: str) -> str:
     if not interval:
         return ""
     return f" [{form.format(interval['low'])}, {form.format(interval['high'])}]"
+
+
+def _derived(model: dict) -> str:
+    """A bundled model's reference is dequantized 4-bit weights: the card says so where it names the source."""
+    if not model.get("derived_from"):
+        return ""
+    from .source import derived_note
+
+    note = derived_note(model["derived_from"])
+    return f"; {note}. The reference every figure below compares with is those dequantized weights."
+
+
+def _default_targets(targets: dict) -> set[str]:
+    from .decide import Targets
+
+    known = {k: v for k, v in targets.items() if k in Targets.__dataclass_fields__}
+    return Targets(**known).defaults() & {"max_ppl_increase", "max_kld"}  # the quality targets a user may not set
 
 
 def _num(value, digits=3) -> str:
@@ -178,8 +193,8 @@ def render_markdown(card: dict) -> str:
     lines = [
         f"# quantforge card: {model['name']}",
         "",
-        f"Source: {model.get('hub_id') or model['origin']} ({model['config']['architecture']}, "
-        f"{card['model'].get('parameters') or 0:,} parameters)",
+        f"Source: {model.get('hub_id') or model['origin'] + ' ' + model['name']} ({model['config']['architecture']}, "
+        f"{card['model'].get('parameters') or 0:,} parameters)" + _derived(model),
         "",
         "## Recommendation",
         "",
@@ -189,6 +204,12 @@ def render_markdown(card: dict) -> str:
         lines.append(f"**{decision['recommended']}**: {winner['reason']}.")
     else:
         lines.append(f"**No format meets the targets.** {decision.get('closest') or ''}")
+    if decision.get("smallest") and decision["smallest"] != decision["recommended"]:
+        entry = next(e for e in card["formats"] if e["key"] == decision["smallest"])
+        lines.append(
+            f"Smallest file that meets every target: **{entry['key']}** ({_size(entry['size_bytes'])}, "
+            f"{entry['bits_per_weight']:.2f} bits/weight)."
+        )
     if decision["best_per_family"]:
         best = ", ".join(f"{family}: {key}" for family, key in sorted(decision["best_per_family"].items()))
         lines.append(f"Best per runtime family: {best}.")
@@ -199,14 +220,14 @@ def render_markdown(card: dict) -> str:
         "",
         "## Measurements",
         "",
-        "| format | scheme | size | bits/weight | perplexity | change | KLD mean | KLD p99 | top-1 agree | runtime |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-        f"| reference | float | | | {_num(ref['perplexity'])} | | | | | transformers |",
+        "| format | scheme | size | bits/weight | perplexity | change | KLD mean | top-1 agree | runtime |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| reference | float | | | {_num(ref['perplexity'])} | | | | transformers |",
     ]
     for entry in card["formats"]:
         if not entry["complete"]:
             state = "failed" if entry.get("failure") else "incomplete"
-            lines.append(f"| {entry['key']} | {entry['scheme']} | {state} | | | | | | | |")
+            lines.append(f"| {entry['key']} | {entry['scheme']} | {state} | | | | | | |")
             continue
         m = entry["metrics"]
         spread = entry.get("intervals") or {}
@@ -215,7 +236,7 @@ def render_markdown(card: dict) -> str:
             f"{_num(m.get('perplexity'))} | {m['perplexity_increase_pct']:+.2f}%"
             f"{_interval(spread.get('perplexity_increase_pct'), '{:+.2f}')} | "
             f"{_num(m.get('kld_mean'), 4)}{_interval(spread.get('kld_mean'), '{:.4f}')} | "
-            f"{_num(m.get('kld_p99'), 4)} | {_num(m.get('top1_agreement'), 3)}"
+            f"{_num(m.get('top1_agreement'), 3)}"
             f"{_interval(spread.get('top1_agreement'), '{:.3f}')} | {entry['how']['runtime']} |"
         )
     lines += _tasks_table(card)
@@ -223,6 +244,7 @@ def render_markdown(card: dict) -> str:
     lines += _fit_table(card)
     text = ev.get("text", {})
     targets = {k: v for k, v in card["targets"].items() if v is not None}
+    defaults = _default_targets(card["targets"])
     lines += [
         "",
         "## How these figures were made",
@@ -252,12 +274,13 @@ def render_markdown(card: dict) -> str:
         "is the float model in transformers. Torch arithmetic is float32 throughout, over weights kept as stored "
         "(bf16, or packed) and widened one module at a time: the same logits as a float32 copy, bit for bit.",
         "- Bits per weight: tensor bytes in the artifact x 8 / parameters of the unquantized model.",
-        f"- Intervals in brackets are 95%: perplexity change, KLD and top-1 by a paired bootstrap over the "
-        f"{ev.get('windows')} windows ({BOOTSTRAP_SAMPLES} resamples, the same windows drawn for the format and the "
-        "reference); task recovery by the delta method on lm-eval's standard errors, treated as independent (wider "
+        f"- Intervals in brackets are 95%: perplexity change, KLD and top-1 by Student's t over the "
+        f"{ev.get('windows')} windows' paired differences (each window scored by the format and the reference, "
+        f"{max((ev.get('windows') or 2) - 1, 1)} degrees of freedom); task recovery by the delta method on lm-eval's "
+        "standard errors, treated as independent (wider "
         "than the truth: both are scored on the same examples). A target whose interval holds its limit is "
         "'within noise': the verdict then says so, with about how many more windows or examples would settle it.",
-        f"- Targets: {', '.join(f'{k}={v}' for k, v in targets.items())}.",
+        f"- Targets: {', '.join(f'{k}={v}' + (' (default)' if k in defaults else '') for k, v in targets.items())}.",
     ]
     calibration = card.get("calibration")
     if calibration:

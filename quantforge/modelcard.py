@@ -17,10 +17,6 @@ import yaml
 from .fsutil import atomic_write_text
 
 # Bundled models are converted from GGUF files of these Hub repos (see source.BUNDLED); their licences are the repos'.
-BUNDLED_BASE_MODELS = {
-    "smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0"),
-    "qwen2.5-coder-0.5b": ("Qwen/Qwen2.5-Coder-0.5B-Instruct", "apache-2.0"),
-}
 LICENSE_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "LICENCE", "NOTICE", "USE_POLICY.md")
 HUB_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./")
 
@@ -49,9 +45,8 @@ def base_model_and_license(model: dict) -> tuple[str | None, dict]:
     licence = {key: source[key] for key in ("license", "license_name", "license_link") if source.get(key)}
     if model.get("hub_id"):
         return model["hub_id"], licence
-    if model["origin"] == "bundled" and model["name"] in BUNDLED_BASE_MODELS:
-        hub_id, bundled_licence = BUNDLED_BASE_MODELS[model["name"]]
-        return hub_id, licence or {"license": bundled_licence}
+    if model.get("derived_from"):  # dequantized from a 4-bit file: not a quantization of the Hub model's weights
+        return None, licence or {"license": model["derived_from"]["license"]}
     base = source.get("base_model")  # a local copy of a Hub model that says where it came from
     if isinstance(base, str) and "/" in base and set(base) <= HUB_ID_CHARS:
         return base, licence
@@ -149,7 +144,7 @@ def model_card(card: dict, entry: dict, deployment) -> str:
     """The README.md of one artifact; ``deployment`` (a ``backends.Deployment``) is its backend's part."""
     model = card["model"]
     front, base, licence = _front(card, deployment.library, [*deployment.tags, entry["format"]])
-    base_text = f"[{base}](https://huggingface.co/{base})" if base else f"{model['name']} (a local model)"
+    base_text = _model_text(model, base)
     licence_line = (
         f"Licence: {licence['license']}, as the base model's."
         if licence
@@ -184,6 +179,15 @@ def model_card(card: dict, entry: dict, deployment) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _model_text(model: dict, base: str | None) -> str:
+    """How a model card names what was quantized: the Hub link, or what a bundled or local model really is."""
+    if model.get("derived_from"):
+        from .source import derived_note
+
+        return f"{model['name']} ({derived_note(model['derived_from'])}; the figures compare with those weights)"
+    return f"[{base}](https://huggingface.co/{base})" if base else f"{model['name']} (a local model)"
 
 
 def _front(card: dict, library: str, tags: list[str]) -> tuple[dict, str | None, dict]:
@@ -224,7 +228,7 @@ def write_gguf_repo_card(card: dict, entries: list[dict], repo_id: str, names: d
         _front_matter(front),
         f"# {model['name']} GGUF",
         "",
-        f"GGUF quantizations of {f'[{base}](https://huggingface.co/{base})' if base else model['name']}, made with "
+        f"GGUF quantizations of {_model_text(model, base)}, made with "
         f"quantforge and measured on these files against the unquantized reference (perplexity "
         f"{reference['perplexity']:.3f} on {card['evaluation']['text']['name']}, {card['evaluation']['context']}-token "
         f"windows). " + (f"Licence: {licence['license']}, as the base model's." if licence else ""),

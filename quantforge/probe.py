@@ -204,7 +204,16 @@ def probe_vllm(path: Path, prompt: list[int], gen_tokens: int, threads: int, run
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=str(path), max_model_len=len(prompt) + gen_tokens + 8, enforce_eager=False, seed=0)
+    # Prefix caching is on by default in vLLM: the warm-up and the first call would leave the prompt's KV cached, and
+    # every later "time to first token" would time a cache hit. Off, each call prefills the prompt, as the other
+    # runtimes' probes do after clearing their KV cache.
+    llm = LLM(
+        model=str(path),
+        max_model_len=len(prompt) + gen_tokens + 8,
+        enforce_eager=False,
+        seed=0,
+        enable_prefix_caching=False,
+    )
     request = TokensPrompt(prompt_token_ids=prompt)
 
     def generate(tokens: int) -> float:

@@ -119,6 +119,28 @@ def _hub_suffix(entry: dict) -> str:
     return (fmt.hub_suffix if fmt and fmt.hub_suffix else "") or entry["format"]
 
 
+def _gguf_file(run_dir: Path, entry: dict) -> Path:
+    return sorted((run_dir / entry["artifact"]).glob("*.gguf"))[0]
+
+
+def _quant_label(card: dict, entry: dict, gguf_file: Path) -> str:
+    """What tells a GGUF apart from the others of its model: "Q4_K_M", "Q4_K_M-imat" (its name after the model's)."""
+    prefix = card["model"]["name"] + "-"
+    return gguf_file.stem[len(prefix) :] if gguf_file.stem.startswith(prefix) else entry["scheme"]
+
+
+def _refuse_a_shared_name(upload: Upload, gguf_file: Path, entry: dict, names: dict[str, list[str]]) -> None:
+    """Two files of one name in one repo: the second would silently replace the first. Runs made before each backend
+    named its files apart can hold such a pair."""
+    if gguf_file.name in upload.files:
+        other = next(key for key, files in names.items() if gguf_file.name in files)
+        raise QuantforgeError(
+            f"{entry['key']} and {other} both made {gguf_file.name}, and one repo cannot hold both: delete "
+            f"{gguf_file.parent} and run the same build again, which remakes it under a name of its own (nothing "
+            "was uploaded)"
+        )
+
+
 def plan_uploads(run_dir: Path, card: dict, base: str, gguf_layout: str, split_bytes: int | None) -> list[Upload]:
     """The repos and files a push of this run's finished artifacts makes (GGUF splits written on the way)."""
     from .modelcard import LICENSE_FILES, write_gguf_repo_card
@@ -138,12 +160,14 @@ def plan_uploads(run_dir: Path, card: dict, base: str, gguf_layout: str, split_b
     for group in groups:
         if not group:
             continue
-        repo_id = f"{base}-GGUF" if gguf_layout == "one" else f"{base}-{group[0]['scheme']}-GGUF"
+        first_label = _quant_label(card, group[0], _gguf_file(run_dir, group[0]))
+        repo_id = f"{base}-GGUF" if gguf_layout == "one" else f"{base}-{first_label}-GGUF"
         upload = Upload(repo_id, formats=[e["key"] for e in group])
         names: dict[str, list[str]] = {}
         for entry in group:
             folder = run_dir / entry["artifact"]
-            gguf_file = sorted(folder.glob("*.gguf"))[0]
+            gguf_file = _gguf_file(run_dir, entry)
+            _refuse_a_shared_name(upload, gguf_file, entry, names)
             if split_bytes and gguf_file.stat().st_size > split_bytes:
                 shards = split_gguf(gguf_file, split_bytes, RunDir(run_dir).publish() / "split" / entry["key"])
                 upload.files.update({shard.name: shard for shard in shards})
@@ -152,7 +176,8 @@ def plan_uploads(run_dir: Path, card: dict, base: str, gguf_layout: str, split_b
                 upload.files[gguf_file.name] = gguf_file
                 names[entry["key"]] = [gguf_file.name]
             if (folder / "Modelfile").exists():
-                upload.files[f"Modelfile.{entry['scheme']}" if len(group) > 1 else "Modelfile"] = folder / "Modelfile"
+                label = _quant_label(card, entry, gguf_file)
+                upload.files[f"Modelfile.{label}" if len(group) > 1 else "Modelfile"] = folder / "Modelfile"
             for name in LICENSE_FILES:
                 if (folder / name).exists():
                     upload.files[name] = folder / name

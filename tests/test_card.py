@@ -29,7 +29,7 @@ def candidates_of(card: dict) -> list[Candidate]:
 
 
 def test_int8_wins_over_int4_when_both_meet_the_targets(mixed_run):
-    card = card_with(mixed_run, "--max-ppl-increase", "1000", "--runtime", "vllm")
+    card = card_with(mixed_run, "--max-ppl-increase", "1000", "--max-kld", "1000", "--runtime", "vllm")
     decision = card["decision"]
     assert decision["recommended"] in ("int8", "gptq-int8")
     outcome = {v["key"]: v for v in decision["verdicts"]}
@@ -58,10 +58,12 @@ def test_tightening_a_target_moves_the_recommendation_to_a_less_aggressive_forma
 
 
 def test_min_size_target_pushes_towards_smaller_formats(mixed_run):
-    card = card_with(mixed_run, "--max-ppl-increase", "1000")
+    card = card_with(mixed_run, "--max-ppl-increase", "1000", "--max-kld", "1000")
     sizes = sorted(e["size_bytes"] for e in card["formats"])
     limit_gb = (sizes[0] + 1) / 1e9
-    decision = card_with(mixed_run, "--max-ppl-increase", "1000", "--max-size", f"{limit_gb:.9f}")["decision"]
+    decision = card_with(mixed_run, "--max-ppl-increase", "1000", "--max-kld", "1000", "--max-size", f"{limit_gb:.9f}")[
+        "decision"
+    ]
     smallest = min(card["formats"], key=lambda e: e["size_bytes"])["key"]
     assert decision["recommended"] == smallest
 
@@ -90,6 +92,34 @@ def test_nothing_meets_the_targets_names_the_closest(mixed_run):
     assert verdict["outcome"] == "misses targets" and "missed kld_mean" in verdict["reason"]
 
 
+def test_equal_sizes_fall_to_the_closest_file():
+    """The three Q4_K_M files of docs/design.md's SmolLM2 table (the same tensor bytes; KLD 0.0602 plain, 0.0383
+    with an importance matrix, 0.0286 AutoRound) beside a Q8_0: with no size target the least aggressive wins and the
+    closest Q4_K_M is the smallest that qualifies; under a size limit the closest Q4_K_M wins, not the first name."""
+
+    def gguf(key, bits, kld):
+        return Candidate(
+            key, "gguf", ("llama.cpp",), bits, int(bits * 1e8), {"kld_mean": kld, "perplexity_increase_pct": 1.0}
+        )
+
+    candidates = [
+        gguf("gguf-q4km", 4.85, 0.0602),
+        gguf("gguf-q4km@imatrix", 4.85, 0.0383),
+        gguf("gguf-q4km@autoround", 4.85, 0.0286),
+        gguf("gguf-q8_0", 8.5, 0.001),
+    ]
+    free = decide(candidates, Targets())
+    assert (free.recommended, free.smallest) == ("gguf-q8_0", "gguf-q4km@autoround")
+    reasons = {v.key: v.reason for v in free.verdicts}
+    assert (
+        reasons["gguf-q4km"]
+        == "same size as gguf-q4km@autoround, farther from the reference: KLD 0.0602 against 0.0286"
+    )
+    sized = decide(candidates, Targets(max_size_gb=0.6))
+    assert (sized.recommended, sized.smallest) == ("gguf-q4km@autoround", "gguf-q4km@autoround")
+    assert [v.key for v in sized.verdicts] == ["gguf-q8_0", "gguf-q4km@autoround", "gguf-q4km@imatrix", "gguf-q4km"]
+
+
 def test_memory_fit_on_a_gpu(mixed_run):
     card = card_with(mixed_run, "--gpu", "RTX 4090", "--context", "2048", "--concurrency", "4")
     for entry in card["formats"]:
@@ -106,7 +136,7 @@ def test_memory_fit_on_a_gpu(mixed_run):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--max-size", "-1"], "--max-size-gb must not be negative"),
+        (["--max-size", "-1"], "--max-size must not be negative"),
         (["--gpu", "Voodoo 2"], "unknown GPU 'Voodoo 2'"),
         (["--min-top1-agreement", "1.5"], "between 0 and 1"),
         (["--min-task-recovery", "arc_easy"], "TASK=PCT pairs"),

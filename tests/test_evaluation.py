@@ -35,6 +35,35 @@ def test_kl_of_the_reference_against_itself_is_zero(tiny_llama):
     assert shifted["kld"].mean() > 1e-3 and not shifted["agree"].all()
 
 
+def test_the_kl_estimate_is_unbiased_against_exact_full_vocabulary_kl(smollm2_dir):
+    """Issue 36: the card's KLD keeps each position's 64 top reference tokens exactly and samples the rest. Over 2048
+    positions of SmolLM2 on wikitext, against an artifact whose logits carry noise on the whole vocabulary (the
+    hardest case for a sampled tail), the estimate's mean is exact full-softmax KL (torch's kl_div in float64)
+    within 3 standard errors of the per-position differences. Measured: exact 0.1289, estimate 0.1290, standard
+    error 3.7e-4 (0.3 of one apart). Each position's estimate is noisier than the mean, which is why the card
+    shows no per-token percentile."""
+    import torch
+
+    runner = TorchRunner.from_folder(smollm2_dir, threads=2)
+    tokens = tokenize_text(smollm2_dir, WIKITEXT.read_text()[:40000], needed=4 * 513)[: 4 * 513].reshape(4, 513)
+    rng = np.random.default_rng(0)
+    estimates, exact = [], []
+    for window in tokens:
+        logits = np.asarray(runner.logits(window)[:-1], dtype=np.float32)
+        noisy = logits + rng.normal(0, 0.6, logits.shape).astype(np.float32)
+        ref = reference_window(logits, window, seed=1)
+        estimates.append(compare_window(noisy, window, ref)["kld"])
+        log_p = torch.log_softmax(torch.from_numpy(logits).double(), dim=-1)
+        log_q = torch.log_softmax(torch.from_numpy(noisy).double(), dim=-1)
+        exact.append(torch.nn.functional.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1).numpy())
+    estimate, truth = np.concatenate(estimates), np.concatenate(exact)
+    assert len(truth) == 2048
+    standard_error = np.std(estimate - truth, ddof=1) / np.sqrt(len(truth))
+    print(f"exact {truth.mean():.4f} estimate {estimate.mean():.4f} SE {standard_error:.2e}")
+    assert abs(estimate.mean() - truth.mean()) < 3 * standard_error
+    assert 0.02 < truth.mean() < 0.5  # a KL of the size the card reports for 4-bit files, not a trivial one
+
+
 def test_non_finite_logits_stop_scoring_where_they_first_appear_but_a_masked_token_does_not(tiny_llama):
     """NaN or +inf in a window's logits (a broken artifact) stops scoring with the window and position; a -inf logit
     (a vocabulary entry the model masks out) leaves every figure finite and passes."""

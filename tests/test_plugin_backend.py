@@ -231,7 +231,16 @@ def test_the_plugin_format_builds_evaluates_and_is_on_the_card(plugin_site, tiny
     assert "q40-server" not in (run / "artifacts" / "gguf-q8_0" / "README.md").read_text()
     # runtimes are those of the loaded backends: the plugin's own is a valid --runtime where the plugin is installed
     served = quantforge_cli(
-        "card", str(run), "--json", "--runtime", "q40-server", "--max-ppl-increase", "1000", env=env
+        "card",
+        str(run),
+        "--json",
+        "--runtime",
+        "q40-server",
+        "--max-ppl-increase",
+        "1000",
+        "--max-kld",
+        "1000",
+        env=env,
     )
     assert served.returncode == 0, served.stderr
     assert json.loads(served.stdout)["decision"]["recommended"] == "gguf-q4_0"

@@ -27,8 +27,14 @@ SHAPE_ARGS = [
 # Q8_0: the GGUF path at real sizes (converter, quantizer, evaluation from disk) at a fifth of Q4_K_M's quantizing
 # time; K-quants at real widths run in scripts/bench_scale.py --shapes-7b.
 GGUF_FORMAT = "gguf-q8_0"
-# One torch format per shape, made by its library and evaluated from disk by dequantization.
-TORCH_FORMAT = {name: "fp8" for name in SHAPES} | {"smollm2-135m": "gptq-int4", "qwen2.5-0.5b": "int8"}
+# One torch format per recipe shape and for the mixture of experts (whose quantizer's memory has terms of its own),
+# made by its library and evaluated from disk by dequantization. The other families build the GGUF path alone: FP8
+# went through each of them once (docs/benchmarks.md, every stage within 0.97x of its plan), and its quantizer and
+# evaluation do not switch on the architecture; leaving it out keeps CI's run near its 60 minutes.
+TORCH_FORMAT = {"qwen2.5-7b": "fp8", "llama-3.1-8b": "fp8", "qwen1.5-moe-a2.7b": "fp8"} | {
+    "smollm2-135m": "gptq-int4",
+    "qwen2.5-0.5b": "int8",
+}
 # Random weights give nearly flat distributions, on which quantization error still shows: mean KL measured on these
 # shapes, Q8_0 at most 0.0012, FP8 0.002-0.022, INT8 (0.5B) 0.0009, GPTQ int4 (SmolLM2) 0.0072, Q4_K_M 0.11-0.12
 # (scripts/bench_scale). Limits about four times those: a broken format (a wrong scale, a transposed weight) is far
@@ -84,7 +90,7 @@ def test_real_shape_builds_through_every_stage_within_its_plan(name, tmp_path):
 
     model = write_random_model(name, tmp_path / name)
     out = tmp_path / "run"
-    formats = f"{GGUF_FORMAT},{TORCH_FORMAT[name]}"
+    formats = ",".join([GGUF_FORMAT, *([TORCH_FORMAT[name]] if name in TORCH_FORMAT else [])])
     try:
         result = quantforge_cli("build", str(model), "--out", str(out), "--formats", formats, *SHAPE_ARGS)
         assert result.returncode == 0, result.stderr[-3000:]
@@ -105,8 +111,9 @@ def test_real_shape_builds_through_every_stage_within_its_plan(name, tmp_path):
             assert metrics["tokens_scored"] == card["reference"]["tokens_scored"]
         # llama.cpp's probe runs here; the torch formats' runtime is vLLM, on a GPU, and says so
         assert entries[GGUF_FORMAT]["speed"]["measured"], entries[GGUF_FORMAT]["speed"]
-        torch_speed = entries[TORCH_FORMAT[name]]["speed"]
-        assert torch_speed["measured"] or "vLLM" in torch_speed["reason"], torch_speed
+        if name in TORCH_FORMAT:
+            torch_speed = entries[TORCH_FORMAT[name]]["speed"]
+            assert torch_speed["measured"] or "vLLM" in torch_speed["reason"], torch_speed
         assert card["reference"]["speed"]["measured"]
         manifest = read_json(out / "run.json")
         rows = plan_versus_actual(manifest["resource_plan"], manifest["stages"])

@@ -59,6 +59,14 @@ def test_readme_build_of_the_bundled_model(tmp_path):
     assert decision["recommended"] is not None
     assert {v["key"] for v in decision["verdicts"]} == set(metrics)
     assert "recommended: " in result.stdout
+    # The reference is dequantized Q4_1 weights (issue 36): the card says so, and the model cards claim no Hub base
+    # model they are a quantization of.
+    said = "its weights are HuggingFaceTB/SmolLM2-135M-Instruct's dequantized to bf16 from a Q4_1 GGUF"
+    assert said in (run / "card.md").read_text()
+    for entry in card["formats"]:
+        model_card = (run / entry["artifact"] / "README.md").read_text()
+        front = model_card.split("---")[1]
+        assert "base_model" not in front and said in model_card, model_card[:1500]
     # Every figure the decision reads has its interval, and every check says met, missed or within noise.
     markdown = (run / "card.md").read_text()
     assert "Intervals in brackets are 95%" in markdown

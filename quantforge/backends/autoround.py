@@ -86,7 +86,8 @@ class AutoRoundBackend(LlamaCppBackend):
             if len(written) != 1:
                 raise RuntimeError(f"auto-round wrote {len(written)} GGUF files, expected one")
             job.out.mkdir(parents=True)
-            target = job.out / f"{job.source.name}-{FILE_TYPES[job.format.name][0]}.gguf"
+            # "-autoround": the plain and importance-matrix files of this type must keep names of their own
+            target = job.out / f"{job.source.name}-{FILE_TYPES[job.format.name][0]}-autoround.gguf"
             shutil.move(str(written[0]), target)
         finally:
             shutil.rmtree(export, ignore_errors=True)

@@ -108,7 +108,8 @@ class LlamaCppImatrixBackend(LlamaCppBackend):
         scheme = FILE_TYPES[job.format.name][0]
         imatrix = job.intermediate("imatrix")
         job.out.mkdir(parents=True)
-        target = job.out / f"{job.source.name}-{scheme}.gguf"
+        # "-imat": beside the plain and AutoRound files of the same type, in one Hub repo, no name is shared
+        target = job.out / f"{job.source.name}-{scheme}-imat.gguf"
         command = [
             str(tool),
             "--imatrix",
