@@ -43,13 +43,21 @@ from .rundir import (
 )
 
 CARD_SCHEMA = "quantforge.card/1"
-CONVENTIONS = {
-    "all": "GPTQ/AutoRound convention: text joined and tokenized once, non-overlapping windows of the context length, "
-    "every position after the first of each window scored",
-    "second-half": "llama-perplexity's convention: text joined and tokenized once, non-overlapping windows of the "
-    "context length, only the second half of each window scored (each token predicted with at least half a "
-    "window before it)",
-}
+
+
+def convention(scoring: str, context: int, windows: int) -> str:
+    """What the perplexity windows were, in words a reader can compare with other tools' figures."""
+    if scoring == "second-half":
+        return (
+            f"llama-perplexity's convention: the text file tokenized once, cut every {context} tokens (BOS first "
+            f"where the model's tokenizer adds it, overwriting the cut's first token, as llama-perplexity does), "
+            f"the second half of each of the first {windows} windows scored"
+        )
+    return (
+        f"the first {windows} non-overlapping windows of {context} tokens of the text joined and tokenized once, "
+        "every position after each window's first scored: GPTQ's and AutoRound's way of scoring, on a part of "
+        "the text (their papers score 2048-token windows over all of it: --ppl-context 2048 and enough windows)"
+    )
 
 
 def _task_results(manifest: Manifest, key: str) -> dict:
@@ -227,7 +235,7 @@ def build_card(run_dir: Path, targets: Targets) -> dict:
             "requested_text": plan["eval_settings"]["text"],
             "text": manifest.stage(TOKENS)["result"]["text"],
             "scoring": scoring,
-            "convention": CONVENTIONS[scoring],
+            "convention": convention(scoring, plan["eval_settings"]["context"], plan["eval_settings"]["windows"]),
             "bos_token_id": manifest.stage(TOKENS)["result"].get("bos_token_id"),
             "bos": bos_convention(manifest.stage(TOKENS)["result"].get("bos_token_id")),
         },

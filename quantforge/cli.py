@@ -351,7 +351,9 @@ def _print_card(card: dict, as_json: bool, ui) -> None:
     help="A llama-cpp-python sdist already downloaded (default: fetch it with pip).",
 )
 @click.option(
-    "--tools", is_flag=True, help="Also build llama.cpp's llama-imatrix and llama-quantize (imatrix GGUFs; minutes)."
+    "--tools",
+    is_flag=True,
+    help="Also build llama.cpp's llama-imatrix and llama-quantize (imatrix GGUFs) and llama-perplexity (minutes).",
 )
 def setup(sdist, tools):
     """Fetch llama.cpp's GGUF converter for the installed llama-cpp-python into the cache (once; then offline)."""
@@ -360,9 +362,9 @@ def setup(sdist, tools):
     folder = install_converter(sdist)
     click.echo(f"{describe()}: {folder} ({len(supported_architectures())} architectures)")
     if tools:
-        from .llamacpp_tools import build_tools
+        from .llamacpp_tools import SETUP_TOOLS, build_tools
 
-        for name, path in build_tools(sdist=sdist, log=lambda line: click.echo(line, err=True)).items():
+        for name, path in build_tools(SETUP_TOOLS, sdist=sdist, log=lambda line: click.echo(line, err=True)).items():
             click.echo(f"{name}: {path}")
 
 

@@ -8,9 +8,12 @@ text tokens, so the first scored token is the window's first text token: such mo
 without it their perplexity is meaningless (Gemma 3 270M: 10,273 without, 982 with). llama.cpp's
 ``llama-perplexity`` also starts each window with BOS then, but scores only the second half of each window, so its
 figures differ. ``scoring="second-half"`` scores as it does (the logits of positions ``context // 2`` to
-``context - 2``, each predicting the next token), so a card's perplexity and KL sit beside llama.cpp's published
-ones, and every position scored has seen at least half a window; the runtimes then compute the output layer for
-those positions alone. The card says which convention it used.
+``context - 2``, each predicting the next token), cuts the text as it does (for a BOS model: BOS + the text cut
+every ``context`` tokens, each cut's first token overwritten by BOS) and reads the text as its file does
+(WikiText-2's rows joined as wiki.test.raw): its running perplexity equals llama-perplexity's window by window, with
+BOS and without (tests/test_evaluation.py runs llama.cpp's program). So a card's perplexity and KL sit beside
+llama.cpp's published ones, and every position scored has seen at least half a window; the runtimes then compute
+the output layer for those positions alone. The card says which convention it used.
 
 The reference's next-token distribution is stored compactly, so every artifact is compared with it without
 recomputing the reference: per scored position, the ``TOP_K`` most likely tokens with their log-probabilities, and
@@ -58,23 +61,41 @@ class EvalSettings:
         return settings
 
 
-def text_tokens_per_window(context: int, bos: int | None) -> int:
-    return context - 1 if bos is not None else context
+def cuts_like_llama_perplexity(bos: int | None, scoring: str) -> bool:
+    """llama-perplexity tokenizes BOS + the text, cuts it every ``context`` tokens and overwrites each piece's first
+    token with BOS: one text token at each cut is never seen. The second-half scoring reproduces that exactly."""
+    return bos is not None and scoring == "second-half"
 
 
-def make_windows(token_ids: np.ndarray, context: int, windows: int, bos: int | None = None) -> np.ndarray:
-    """The first ``windows`` non-overlapping windows of ``context`` tokens, as an int32 array [windows, context];
-    with ``bos``, each window is BOS followed by the next ``context - 1`` text tokens."""
-    per_window = text_tokens_per_window(context, bos)
-    available = len(token_ids) // per_window
-    if available < windows:
+def text_tokens_needed(context: int, windows: int, bos: int | None, scoring: str = "all") -> int:
+    """Text tokens (no BOS) that ``windows`` windows take."""
+    if cuts_like_llama_perplexity(bos, scoring):
+        return windows * context - 1
+    return windows * (context - 1 if bos is not None else context)
+
+
+def make_windows(
+    token_ids: np.ndarray, context: int, windows: int, bos: int | None = None, scoring: str = "all"
+) -> np.ndarray:
+    """The first ``windows`` non-overlapping windows of ``context`` tokens, as an int32 array [windows, context].
+    With ``bos``, each window is BOS followed by ``context - 1`` text tokens: the next ones (every text token is
+    scored once), or for the second-half scoring those llama-perplexity's window holds (see
+    ``cuts_like_llama_perplexity``)."""
+    needed = text_tokens_needed(context, windows, bos, scoring)
+    if len(token_ids) < needed:
+        available = len(token_ids) // max(needed // windows, 1)
         raise QuantforgeError(
             f"the evaluation text has {len(token_ids)} tokens: enough for {available} windows of {context}, "
             f"not {windows}; lower --ppl-windows or --ppl-context, or use a longer text"
         )
-    text = np.asarray(token_ids[: windows * per_window], dtype=np.int32).reshape(windows, per_window)
+    ids = np.asarray(token_ids[:needed], dtype=np.int32)
     if bos is None:
-        return text
+        return ids.reshape(windows, context)
+    if cuts_like_llama_perplexity(bos, scoring):
+        stream = np.concatenate([[bos], ids]).astype(np.int32).reshape(windows, context)
+        stream[:, 0] = bos
+        return stream
+    text = ids.reshape(windows, context - 1)
     return np.concatenate([np.full((windows, 1), bos, dtype=np.int32), text], axis=1)
 
 

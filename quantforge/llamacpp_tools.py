@@ -24,6 +24,9 @@ from .llamacpp_convert import _download_sdist, _writable, runtime_version
 from .logs import run_logged
 
 PRODUCT_TOOLS = ("llama-imatrix", "llama-quantize")
+# What 'quantforge setup --tools' builds: the product's tools and llama-perplexity, the independent side of the
+# perplexity checks (tests, scripts/): in the same build it adds about a minute, on its own it would be a whole one.
+SETUP_TOOLS = (*PRODUCT_TOOLS, "llama-perplexity")
 # Plain AVX2 as scripts/install.sh builds the Python package (the native build's AMX kernels crash on our VMs).
 CMAKE_FLAGS = (
     "-DGGML_NATIVE=OFF",

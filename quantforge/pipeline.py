@@ -649,20 +649,22 @@ class Build:
     # -- prepare: what every format shares -----------------------------------------------------------------------------
 
     def tokens(self) -> np.ndarray:
-        from .evaluate import bos_token_id, text_tokens_per_window, tokenize_text
+        from .evaluate import bos_token_id, cuts_like_llama_perplexity, text_tokens_needed, tokenize_text
         from .textdata import load_text
 
         settings = self.plan.eval
         text = load_text(settings.text)
+        if settings.scoring == "second-half":
+            text = text.as_file()  # llama-perplexity reads the data set's standard file (wiki.test.raw)
         path = self.paths.eval_windows
 
         bos = bos_token_id(self.source.path)
 
         def produce():
-            per_window = text_tokens_per_window(settings.context, bos)
+            needed = text_tokens_needed(settings.context, settings.windows, bos, settings.scoring)
             with self.ui.task(f"tokenize {text.name}"):
-                ids = tokenize_text(self.source.path, text.joined, needed=per_window * settings.windows)
-                windows = make_windows(ids, settings.context, settings.windows, bos)
+                ids = tokenize_text(self.source.path, text.joined, needed=needed)
+                windows = make_windows(ids, settings.context, settings.windows, bos, settings.scoring)
             with atomic_output(path) as tmp, open(tmp, "wb") as handle:
                 np.save(handle, windows)
             return {
@@ -676,8 +678,13 @@ class Build:
             TOKENS,
             "tokenize evaluation text",
             inputs={"source": self.digest(FETCH), "text": text.sha256},
-            # BOS is a setting of the windows: stored references made without it are never reused with it.
-            settings={**settings.to_json(), "bos_token_id": bos},
+            # BOS is a setting of the windows: stored references made without it are never reused with it. So is
+            # llama-perplexity's cut (windows made before it are made again).
+            settings={
+                **settings.to_json(),
+                "bos_token_id": bos,
+                **({"cut": "llama-perplexity"} if cuts_like_llama_perplexity(bos, settings.scoring) else {}),
+            },
             outputs=[path],
             produce=produce,
         )

@@ -30,6 +30,15 @@ class Text:
     documents: list[str]
     source: str  # where it came from, for the card
     joiner: str = "\n\n"
+    # The joiner that gives the data set's standard file (WikiText-2's rows, each ending in a newline, joined with
+    # "" make wiki.test.raw), which llama-perplexity reads; None where the text is a file already.
+    file_joiner: str | None = None
+
+    def as_file(self) -> "Text":
+        """The text as its standard file, for llama-perplexity's convention."""
+        if self.file_joiner is None or self.file_joiner == self.joiner:
+            return self
+        return Text(self.name, self.documents, f"{self.source}, as its file", self.file_joiner)
 
     @property
     def joined(self) -> str:
@@ -109,7 +118,8 @@ def _load_definition(name: str, path: Path) -> Text:
             "(a .txt, or a .jsonl with a text field)"
         ) from None
     field = definition.get("field", "text")
-    return Text(name, [row[field] for row in rows], f"datasets {definition['dataset']}", joiner)
+    documents = [row[field] for row in rows]
+    return Text(name, documents, f"datasets {definition['dataset']}", joiner, definition.get("file_join"))
 
 
 def load_text(spec: str) -> Text:

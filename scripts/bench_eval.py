@@ -143,15 +143,6 @@ def main() -> int:
             f"perplexity, GGUF Q4_K_M: quantforge {ours_gguf:.0f} tok/s, llama-perplexity {theirs:.0f} tok/s, "
             f"ratio {ours_gguf / theirs:.3f} (goal >= 0.9)"
         )
-        # llama-perplexity computes logits for, and scores, only the second half of each window; quantforge
-        # scores every position after the first (see evaluate.py), so per scored token the ratio differs.
-        ours_scored = ours_gguf * (args.ctx - 1) / args.ctx
-        theirs_scored = theirs * (args.ctx - args.ctx // 2 - 1) / args.ctx
-        print(
-            f"  per scored token: quantforge {ours_scored:.0f} tok/s, llama-perplexity {theirs_scored:.0f} tok/s, "
-            f"ratio {ours_scored / theirs_scored:.3f}"
-        )
-
         prompt = work / "prompt.npy"
         np.save(prompt, windows[0][: args.prompt_tokens])
         done = subprocess.run(

@@ -15,9 +15,12 @@ they read the same windows of the same tokens (for a model without BOS), so they
 Goals (issue 12): GGUF path <= 1.1x llama.cpp's tools; peak RSS <= 1.5x the bf16 weights (also printed beyond the
 build process's footprint before any model, its `tokens` stage); time growing no faster than the parameter count.
 
-With ``--repeat N`` both sides run N times, interleaved (quantforge's build, then llama.cpp's tools, N times), and
-each stage's time is the fastest of its N and its memory the highest: on a shared host llama.cpp's tools alone
-varied by 25% between runs, more than the distance to the goal. The ratio of each round is printed as well.
+Equal work, equal environment: llama.cpp's tools run with the OpenMP spin quantforge's own processes use
+(``quantforge.openmp.wait_briefly``: GOMP_SPINCOUNT=1000 unless the caller set a policy), and quantforge's side
+counts its tokenization (the ``tokens`` stage), as llama-perplexity's time includes its own. With ``--repeat N`` both
+sides run N times, interleaved (quantforge's build, then llama.cpp's tools), and the ratio reported is the median of
+the N rounds' own ratios (on a shared host llama.cpp's tools alone varied by 25% between runs). Per-stage tables
+show each stage's median time and highest memory.
 
     .venv/bin/python scripts/bench_scale.py [--models smollm2-135m,qwen2.5-coder-0.5b] [--windows 8] [--repeat 1]
         [--scoring second-half|all]
@@ -83,30 +86,40 @@ def our_run(model: str, out: Path, context: int, windows: int, threads: int, sco
     return {"plan": plan, "wall_seconds": seconds, "stages": manifest["stages"], "run": manifest}
 
 
+def same_openmp_environment() -> dict[str, str]:
+    """The environment quantforge's own processes run with (its short OpenMP spin), for llama.cpp's tools too."""
+    from quantforge.openmp import wait_briefly
+
+    wait_briefly()  # sets GOMP_SPINCOUNT in this process's environment unless a policy was chosen
+    return dict(os.environ)
+
+
 def their_run(
     source: Path, text: Path, out: Path, context: int, windows: int, threads: int, scoring: str
 ) -> tuple[dict, dict]:
-    """llama.cpp's own tools on the same model folder, text and windows, scoring the positions quantforge scores:
-    each step's seconds and peak memory, and each format's perplexity as llama-perplexity printed it."""
+    """llama.cpp's own tools on the same model folder, text and windows, scoring the positions quantforge scores,
+    in the same OpenMP environment: each step's seconds and peak memory, and each format's perplexity as
+    llama-perplexity printed it."""
     from quantforge.llamacpp_convert import find_converter
 
     f16 = out / "model-f16.gguf"
     converter = find_converter()
-    env = {**os.environ, "PYTHONPATH": str(converter / "gguf-py")}
+    same = same_openmp_environment()
+    env = {**same, "PYTHONPATH": str(converter / "gguf-py")}
     convert = [sys.executable, str(converter / "convert_hf_to_gguf.py"), str(source), "--outtype", "f16",
                "--outfile", str(f16)]  # fmt: skip
     results, perplexities = {"convert": timed(convert, env=env)}, {}
     for key, file_type in FORMATS.items():
         quantized = out / f"{key}.gguf"
         results[f"quantize/{key}"] = timed([str(tool("llama-quantize")), str(f16), str(quantized), file_type,
-                                            str(threads)])  # fmt: skip
+                                            str(threads)], env=same)  # fmt: skip
         perplexity = [str(tool("llama-perplexity")), "-m", str(quantized), "-f", str(text), "-c", str(context),
                       "-b", str(context), "--chunks", str(windows), "-t", str(threads), "-fa", "off"]  # fmt: skip
         if scoring == "all":
             # Its strided mode scores every token of the text once, in windows it widens itself (see above).
             perplexity += ["--ppl-stride", str(context - 1)]
         log = out / f"perplexity-{key}.log"
-        results[f"evaluate/{key}"] = timed(perplexity, log=log)
+        results[f"evaluate/{key}"] = timed(perplexity, log=log, env=same)
         perplexities[key] = final_perplexity(log.read_text(errors="replace"))
     return {key: {"seconds": s, "peak_rss_bytes": m} for key, (s, m) in results.items()}, perplexities
 
@@ -118,9 +131,11 @@ def final_perplexity(output: str) -> float | None:
     return float(found[-1]) if found else None
 
 
-def fastest_of(ours_runs: list[dict], theirs_runs: list[dict]) -> tuple[dict, dict]:
-    """One run of each side from several: each stage's fastest time and highest peak memory."""
-    ours = {**ours_runs[0], "wall_seconds": min(run["wall_seconds"] for run in ours_runs), "stages": {}}
+def median_of(ours_runs: list[dict], theirs_runs: list[dict]) -> tuple[dict, dict]:
+    """One run of each side from several, for the per-stage tables: each stage's median time and highest memory."""
+    import statistics
+
+    ours = {**ours_runs[0], "wall_seconds": statistics.median(run["wall_seconds"] for run in ours_runs), "stages": {}}
     for key, record in ours_runs[0]["stages"].items():
         records = [run["stages"][key] for run in ours_runs]
         peaks = [r["memory"]["peak_rss_bytes"] or 0 for r in records]
@@ -129,18 +144,23 @@ def fastest_of(ours_runs: list[dict], theirs_runs: list[dict]) -> tuple[dict, di
         memory = {"peak_rss_bytes": max(peaks) or None, "child_peak_rss_bytes": max(children) or None}
         if max(hosts):
             memory["host_peak_rss_bytes"] = max(hosts)
-        ours["stages"][key] = {**record, "seconds": min(r["seconds"] for r in records), "memory": memory}
+        seconds = statistics.median(r["seconds"] for r in records)
+        ours["stages"][key] = {**record, "seconds": seconds, "memory": memory}
     theirs = {}
     for key in theirs_runs[0]:
         peaks = [run[key]["peak_rss_bytes"] or 0 for run in theirs_runs]
-        theirs[key] = {"seconds": min(run[key]["seconds"] for run in theirs_runs), "peak_rss_bytes": max(peaks) or None}
+        seconds = statistics.median(run[key]["seconds"] for run in theirs_runs)
+        theirs[key] = {"seconds": seconds, "peak_rss_bytes": max(peaks) or None}
     return ours, theirs
 
 
 def gguf_path_ratio(ours: dict, theirs: dict, perplexities: dict) -> dict:
     stages = ours["stages"]
-    ours_seconds = stages["intermediate/gguf-f16"]["seconds"] + sum(
-        stages[f"{stage}/{key}"]["seconds"] for key in FORMATS for stage in ("quantize", "evaluate")
+    # the tokens stage too: llama-perplexity's time includes its tokenizing the text
+    ours_seconds = (
+        stages["tokens"]["seconds"]
+        + stages["intermediate/gguf-f16"]["seconds"]
+        + sum(stages[f"{stage}/{key}"]["seconds"] for key in FORMATS for stage in ("quantize", "evaluate"))
     )
     theirs_seconds = sum(v["seconds"] for v in theirs.values())
     ours_eval = sum(stages[f"evaluate/{key}"]["seconds"] for key in FORMATS)
@@ -161,6 +181,12 @@ def evaluation_text(run: dict, out: Path) -> Path:
     return path
 
 
+def _median(values: list[float]) -> float:
+    import statistics
+
+    return round(statistics.median(values), 3)
+
+
 def print_model(name: str, model: dict) -> None:
     print(f"\n{name}: {model['parameters'] / 1e6:.0f}M parameters, build {model['wall_seconds']:.0f} s "
           f"(predicted {model['predicted_seconds']:.0f} s)", flush=True)  # fmt: skip
@@ -177,8 +203,8 @@ def print_model(name: str, model: dict) -> None:
           f"{gguf['llamacpp_seconds']} s, ratio {gguf['ratio']} (goal <= 1.1); evaluation alone "
           f"{gguf['evaluate_ratio']}", flush=True)  # fmt: skip
     if len(gguf["ratio_each_round"]) > 1:
-        print(f"  (each stage's fastest of {len(gguf['ratio_each_round'])} rounds; the rounds' own ratios: "
-              f"{', '.join(str(r) for r in gguf['ratio_each_round'])})")  # fmt: skip
+        print(f"  (the median of {len(gguf['ratio_each_round'])} rounds' own ratios: "
+              f"{', '.join(str(r) for r in gguf['ratio_each_round'])}; stage times are medians)")  # fmt: skip
     for key, figures in gguf["perplexity"].items():
         print(f"  perplexity {key}: quantforge {figures['quantforge']}, llama-perplexity {figures['llama-perplexity']}")
 
@@ -258,8 +284,8 @@ def main() -> int:
                 text = evaluation_text(ours_runs[-1]["run"], work)
                 timings, perplexities = their_run(source, text, work, *settings)  # the same perplexity every round
                 theirs_runs.append(timings)
-        rounds = [gguf_path_ratio(o, t, perplexities)["ratio"] for o, t in zip(ours_runs, theirs_runs, strict=True)]
-        ours, theirs = fastest_of(ours_runs, theirs_runs)
+        rounds = [gguf_path_ratio(o, t, perplexities) for o, t in zip(ours_runs, theirs_runs, strict=True)]
+        ours, theirs = median_of(ours_runs, theirs_runs)
         parameters = ours["plan"]["model"]["parameters"]
         # The build process before any model is in memory: libraries imported, tokenizer loaded (the lowest of the
         # rounds, as the peak is their highest).
@@ -276,7 +302,13 @@ def main() -> int:
             "baseline_rss_bytes": baseline,
             "peak_beyond_baseline_over_bf16": round((peak - baseline) / bf16, 2),
             "scoring": args.scoring,
-            "gguf_path": {**gguf_path_ratio(ours, theirs, perplexities), "ratio_each_round": rounds},
+            "gguf_path": {
+                **gguf_path_ratio(ours, theirs, perplexities),
+                # the headline: the median of each round's own ratio (both sides of a round ran back to back)
+                "ratio": _median([r["ratio"] for r in rounds]),
+                "evaluate_ratio": _median([r["evaluate_ratio"] for r in rounds]),
+                "ratio_each_round": [r["ratio"] for r in rounds],
+            },
             "stages": stages,
             "llamacpp": theirs,
         }

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -199,3 +200,27 @@ def vllm_quantization_methods(vllm_source) -> set[str]:
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "QuantizationMethods":
             return {element.value for element in node.value.slice.elts}
     raise AssertionError("vLLM's QuantizationMethods literal was not found")
+
+
+def kl_against_the_serving_library(folder: Path, windows_file: Path) -> np.ndarray:
+    """Per-position KL(serving library || quantforge) on a run's evaluation windows: the folder loaded by the library
+    that serves it on CPU (transformers with GPTQModel's torch kernel for GPTQ and AWQ, with compressed-tensors for
+    llm-compressor's formats) against quantforge's own dequantized evaluation of the same folder. Issue 36: a
+    packing or zero-point mistake in quantforge's dequantization would show here, not in a test of it against
+    itself."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantforge.dequant import float_model_from_artifact
+
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
+    windows = torch.from_numpy(np.load(windows_file)).long()
+    theirs_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, device_map="cpu").eval()
+    ours_model = float_model_from_artifact(folder).eval()
+    with torch.inference_mode():
+        theirs, ours = (
+            torch.cat([model(input_ids=w[None]).logits[0].double() for w in windows])
+            for model in (theirs_model, ours_model)
+        )
+    p, q = torch.log_softmax(theirs, dim=-1), torch.log_softmax(ours, dim=-1)
+    return (p.exp() * (p - q)).sum(-1).numpy()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -203,6 +204,42 @@ def test_second_half_scoring_keeps_the_default_runs_figures_at_those_positions(t
     assert card["scoring"] == "second-half" and card["convention"].startswith("llama-perplexity's convention")
     assert read_json(tiny_run / "card.json")["evaluation"]["scoring"] == "all"
     assert "llama.cpp's own figures (llama-perplexity" in (run / "card.md").read_text()
+
+
+RUNNING_PERPLEXITY = re.compile(r"\[(\d+)\](\d+\.\d+),")  # llama-perplexity's "[1]41.2345,[2]..."
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gemma3", "llama"])  # a tokenizer that adds BOS (Gemma's layout), one that does not
+def test_second_half_scoring_equals_llama_perplexity_window_by_window(kind, tiny_model, tmp_path):
+    """Issue 36: --ppl-scoring second-half is llama-perplexity's scoring, checked against llama.cpp's own program on
+    the same F16 file and text file: its running perplexity after each window equals ours to the digits it prints.
+    With BOS, llama-perplexity cuts BOS + text every ``context`` tokens and overwrites each cut's first token with
+    BOS; quantforge once took ``context - 1`` fresh text tokens per window, so from the second window on it scored
+    other tokens."""
+    from quantforge.llamacpp_tools import require_tool
+
+    context, windows = 128, 4
+    run = build_run(
+        tiny_model(kind),
+        tmp_path / "run",
+        *("--formats", "gguf-f16", "--eval-text", str(WIKITEXT), "--ppl-scoring", "second-half"),
+        *("--ppl-context", str(context), "--ppl-windows", str(windows), "--threads", "2", "--no-speed"),
+    )
+    card = read_json(run / "card.json")
+    assert (card["evaluation"]["bos_token_id"] is not None) == (kind == "gemma3")
+    [entry] = card["formats"]
+    gguf = next((run / entry["artifact"]).glob("*.gguf"))
+    command = [str(require_tool("llama-perplexity")), "-m", str(gguf), "-f", str(WIKITEXT), "-c", str(context)]
+    command += ["-b", str(context), "--chunks", str(windows), "-t", "2", "-fa", "off"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    theirs = [float(value) for _, value in RUNNING_PERPLEXITY.findall(done.stdout + done.stderr)]
+    sums = entry["per_window"]
+    ours = np.exp(np.cumsum(sums["nll"]) / np.cumsum(sums["tokens"]))
+    print(kind, "quantforge", ours, "llama-perplexity", theirs)
+    assert len(theirs) == windows and sums["tokens"] == [context - 1 - context // 2] * windows
+    np.testing.assert_allclose(ours, theirs, rtol=1e-7, atol=6e-5)  # it prints four decimals
 
 
 def test_a_runner_without_a_first_position_still_scores_the_second_half(tiny_llama):

@@ -121,6 +121,17 @@ def test_every_format_is_evaluated_from_disk_and_int8_is_closer_than_int4(torch_
 
 
 @pytest.mark.parametrize("key", TORCH_FORMATS.split(","))
+def test_evaluation_equals_the_serving_librarys_own_load(torch_run, key):
+    """Issue 36: every HF-folder format of the tiny llama, loaded by the library that serves it on CPU, against
+    quantforge's evaluation of the same folder on the run's windows: float arithmetic only."""
+    from conftest import kl_against_the_serving_library
+
+    kl = kl_against_the_serving_library(torch_run / "artifacts" / key, torch_run / "work" / "eval-windows.npy")
+    print(f"{key}: KL max {kl.max():.2e} mean {kl.mean():.2e}")
+    assert kl.max() < 1e-3, (key, kl.max())
+
+
+@pytest.mark.parametrize("key", TORCH_FORMATS.split(","))
 def test_artifact_loads_in_transformers_and_generates(torch_run, key):
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -6,6 +6,10 @@ the build process, ``quantforge.probe`` for a speed probe), that function raises
 imported; with ``#caller``, only when the function calling it has that name (the calibration set's tokenizer call,
 not the evaluation text's). Nothing else changes: the build runs the real libraries, and only the named call fails,
 as a library's bug or a broken install would make it fail.
+
+QUANTFORGE_TEST_KILL_AFTER, ``module:Qualified.name@argv%N``, instead lets the function run and kills its own process
+(SIGKILL, as the system's out-of-memory killer or a power cut would end it) right after its Nth call returns: a
+kill at a chosen point of a build, the same on a fast machine and a slow one.
 """
 
 import importlib.abc
@@ -15,6 +19,22 @@ import sys
 import types
 
 FAULT = os.environ.get("QUANTFORGE_TEST_FAULT", "")
+KILL_AFTER = os.environ.get("QUANTFORGE_TEST_KILL_AFTER", "")
+
+
+def _killing(module, name, original, calls: int):
+    import signal
+
+    made = [0]
+
+    def kill_after(*args, **kwargs):
+        result = original(*args, **kwargs)
+        made[0] += 1
+        if made[0] == calls:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    return kill_after
 
 
 def _failing(module, name, original, caller: str):
@@ -30,13 +50,18 @@ def _failing(module, name, original, caller: str):
 
 
 def _patch(module, qualname: str, caller: str) -> None:
-    """Replace the function (a class's method too: the replacement takes any arguments) with one that raises."""
+    """Replace the function (a class's method too: the replacement takes any arguments) with one that raises, or
+    with ``%N`` as ``caller``, one that kills its process after its Nth call."""
     owner_path, _, attribute = qualname.rpartition(".")
     owner = module
     for part in filter(None, owner_path.split(".")):
         owner = getattr(owner, part)
     name = f"{module.__name__}:{qualname}"
-    setattr(owner, attribute, _failing(module, name, getattr(owner, attribute), caller))
+    original = getattr(owner, attribute)
+    if caller.startswith("%"):
+        setattr(owner, attribute, _killing(module, name, original, int(caller[1:])))
+    else:
+        setattr(owner, attribute, _failing(module, name, original, caller))
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
@@ -65,9 +90,10 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if FAULT:
-    target, _, where = FAULT.partition("@")
-    where, _, caller_name = where.partition("#")
+if FAULT or KILL_AFTER:
+    target, _, where = (FAULT or KILL_AFTER).partition("@")
+    where, _, caller_name = where.partition("%" if KILL_AFTER else "#")
+    caller_name = f"%{caller_name}" if KILL_AFTER else caller_name
     module_name, _, qualname = target.partition(":")
     if where in " ".join(getattr(sys, "orig_argv", sys.argv)):
         if module_name in sys.modules:
