@@ -202,25 +202,41 @@ def vllm_quantization_methods(vllm_source) -> set[str]:
     raise AssertionError("vLLM's QuantizationMethods literal was not found")
 
 
-def kl_against_the_serving_library(folder: Path, windows_file: Path) -> np.ndarray:
-    """Per-position KL(serving library || quantforge) on a run's evaluation windows: the folder loaded by the library
-    that serves it on CPU (transformers with GPTQModel's torch kernel for GPTQ and AWQ, with compressed-tensors for
-    llm-compressor's formats) against quantforge's own dequantized evaluation of the same folder. Issue 36: a
-    packing or zero-point mistake in quantforge's dequantization would show here, not in a test of it against
-    itself."""
+def kl_against_the_serving_library(folder: Path, windows_file: Path) -> tuple[np.ndarray, str]:
+    """Per-position KL(serving library || quantforge) on a run's evaluation windows, and what was compared: the
+    folder loaded by the library that serves it on CPU (transformers with GPTQModel's torch kernel for GPTQ and AWQ,
+    with compressed-tensors for llm-compressor's formats) against quantforge's own dequantized evaluation of the same
+    folder. Issue 36: a packing or zero-point mistake in quantforge's dequantization shows here, not in a test of it
+    against itself.
+
+    INT8 W8A8 is compared on its weights alone: compressed-tensors' CPU emulation quantizes each token's activations
+    with scale absmax / 127.5 (its symmetric range taken as 255 / 2), where vLLM's kernel, which serves the file,
+    uses absmax / 127 (csrc/quantization/compressed_tensors/int8_quant_kernels.cu); quantforge simulates vLLM's.
+    Measured on the tiny llama: with compressed-tensors' rule on both sides the logits are identical (KL 0), and so
+    are the weights alone; with each side's own rule, KL up to 4.3e-3."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from quantforge.dequant import float_model_from_artifact
 
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
+    config = json.loads((folder / "config.json").read_text())["quantization_config"]
+    weights_only = config["quant_method"] == "compressed-tensors" and any(
+        (group.get("input_activations") or {}).get("type") == "int" for group in config["config_groups"].values()
+    )
     windows = torch.from_numpy(np.load(windows_file)).long()
     theirs_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, device_map="cpu").eval()
-    ours_model = float_model_from_artifact(folder).eval()
+    if weights_only:
+        for module in theirs_model.modules():
+            scheme = getattr(module, "quantization_scheme", None)
+            if scheme is not None:
+                scheme.input_activations = None
+    ours_model = float_model_from_artifact(folder, simulate_activations=not weights_only).eval()
     with torch.inference_mode():
         theirs, ours = (
             torch.cat([model(input_ids=w[None]).logits[0].double() for w in windows])
             for model in (theirs_model, ours_model)
         )
     p, q = torch.log_softmax(theirs, dim=-1), torch.log_softmax(ours, dim=-1)
-    return (p.exp() * (p - q)).sum(-1).numpy()
+    what = f"{'weights only' if weights_only else 'as served'}, the library computing in {theirs_model.dtype}"
+    return (p.exp() * (p - q)).sum(-1).numpy(), what

@@ -33,6 +33,17 @@ TORCH_FORMAT = {
     "qwen2_moe": "int8",
     "olmo2": "gptq-int4",
 }
+# Per format: (largest perplexity change in percent either way, largest mean KL), about four times the largest
+# measured over the eight architectures (2026-12-07: Q8_0 0.5% and KL 0.0046, INT8 0.38% and 0.0073, Q4_K_M 5.3% and
+# 0.181, GPTQ int4 3.4% and 0.229, the mixture of experts the highest but for GPTQ). Random weights give flat
+# distributions, on which 4-bit formats move KL far more than on a trained model, and perplexity hardly at all.
+LIMITS = {
+    "gguf-f16": (0.1, 1e-4),
+    "gguf-q8_0": (2.0, 0.02),
+    "int8": (1.5, 0.03),
+    "gguf-q4km": (20.0, 0.75),
+    "gptq-int4": (14.0, 0.9),
+}
 ADDS_BOS = {"mistral", "gemma3"}  # their (SentencePiece) tokenizers put BOS in front of every text
 
 
@@ -78,8 +89,9 @@ def test_every_architecture_builds_and_matches_its_reference(kind, arch_run):
     # once gave Gemma 3's int8 +754% perplexity).
     assert metrics["gguf-f16"]["kld_mean"] < metrics["gguf-q8_0"]["kld_mean"] < metrics["gguf-q4km"]["kld_mean"]
     for key in made:
-        assert abs(metrics[key]["perplexity_increase_pct"]) < 10, (key, metrics[key])
-        assert metrics[key]["kld_mean"] < 0.5, (key, metrics[key])
+        ppl_limit, kld_limit = LIMITS[key]
+        assert abs(metrics[key]["perplexity_increase_pct"]) < ppl_limit, (key, metrics[key])
+        assert metrics[key]["kld_mean"] < kld_limit, (key, metrics[key])
 
 
 @pytest.mark.slow
@@ -121,22 +133,27 @@ def test_compressed_tensors_artifact_loads_in_transformers(kind, arch_run):
 
 # The serving library's own load (transformers with GPTQModel's torch kernel, or with compressed-tensors) beside
 # quantforge's dequantized evaluation, per position. Not qwen2_moe's int8 (transformers 5.17 cannot fuse its
-# per-expert compressed weights, see above) nor Gemma 3's GPTQ (GPTQModel refuses it): the card's figures for
-# those rest on quantforge's dequantization alone.
+# per-expert compressed weights, see above), Gemma 3's GPTQ (GPTQModel refuses it), nor Phi-3's GPTQ: GPTQModel 7.6
+# saves its gate_up_proj as gate_proj and up_proj, which transformers 5.17 does not fuse back (it leaves gate_up_proj
+# uninitialized and fails in the forward; vLLM fuses them when it loads). The card's figures for those rest on
+# quantforge's dequantization alone.
+NOT_LOADABLE_HERE = {("qwen2_moe", "int8"), ("gemma3", "gptq-int4"), ("phi3", "gptq-int4")}
 SERVED = [(kind, key) for kind, keys in TORCH_FORMAT.items() for key in keys.split(",")]
-SERVED = [pair for pair in SERVED if pair not in {("qwen2_moe", "int8"), ("gemma3", "gptq-int4")}]
+SERVED = [pair for pair in SERVED if pair not in NOT_LOADABLE_HERE]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, key", SERVED)
 def test_the_card_measures_what_the_serving_library_computes(kind, key, arch_run):
-    """Issue 36: per-position KL between the serving library's logits and quantforge's on the run's windows is
-    float arithmetic only (measured below 1e-9 for GPTQ, below 1e-5 for INT8's simulated activations)."""
+    """Issue 36: per-position KL between the serving library's logits and quantforge's on the run's windows.
+    Measured (2026-12-07): INT8 weights 0 exactly on mistral, qwen3 and gemma3; GPTQ int4 at most 4.0e-4 (llama),
+    5.1e-4 (qwen2) and 1.0e-4 (olmo2): GPTQModel dequantizes in float16 (its weights differ from quantforge's
+    float32 ones by at most 3.9e-4 relative, float16's rounding), as GPU kernels do in the model's half precision."""
     from conftest import kl_against_the_serving_library
 
     _, out = arch_run(kind)
-    kl = kl_against_the_serving_library(out / "artifacts" / key, out / "work" / "eval-windows.npy")
-    print(f"{kind} {key}: KL max {kl.max():.2e} mean {kl.mean():.2e}")
+    kl, what = kl_against_the_serving_library(out / "artifacts" / key, out / "work" / "eval-windows.npy")
+    print(f"{kind} {key} ({what}): KL max {kl.max():.2e} mean {kl.mean():.2e}")
     assert kl.max() < 1e-3, (kind, key, kl.max())
 
 

@@ -123,11 +123,12 @@ def test_every_format_is_evaluated_from_disk_and_int8_is_closer_than_int4(torch_
 @pytest.mark.parametrize("key", TORCH_FORMATS.split(","))
 def test_evaluation_equals_the_serving_librarys_own_load(torch_run, key):
     """Issue 36: every HF-folder format of the tiny llama, loaded by the library that serves it on CPU, against
-    quantforge's evaluation of the same folder on the run's windows: float arithmetic only."""
+    quantforge's evaluation of the same folder on the run's windows. Measured (2026-12-07): KL at most 4.6e-4
+    (GPTQ int4), 2.1e-6 (GPTQ int8), 3.1e-4 (AWQ), 0 (INT8's weights): GPTQModel's kernels dequantize in float16."""
     from conftest import kl_against_the_serving_library
 
-    kl = kl_against_the_serving_library(torch_run / "artifacts" / key, torch_run / "work" / "eval-windows.npy")
-    print(f"{key}: KL max {kl.max():.2e} mean {kl.mean():.2e}")
+    kl, what = kl_against_the_serving_library(torch_run / "artifacts" / key, torch_run / "work" / "eval-windows.npy")
+    print(f"{key} ({what}): KL max {kl.max():.2e} mean {kl.mean():.2e}")
     assert kl.max() < 1e-3, (key, kl.max())
 
 
