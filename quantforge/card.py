@@ -126,6 +126,9 @@ def _format_entries(manifest: Manifest) -> list[dict]:
                 quantize={k: v for k, v in facts.items() if k not in ("size_bytes", "bits_per_weight")},
                 quantize_seconds=quantized["seconds"],
             )
+            # A runtime the made files do not load in (the quantizer's own layout) is off the entry's list, with why.
+            refused = facts.get("not_runtimes") or {}
+            entry["runtimes"] = [runtime for runtime in entry["runtimes"] if runtime not in refused]
         if evaluated:
             result = evaluated["result"]
             metrics = {

@@ -228,6 +228,30 @@ def _fuse_experts(sources: dict[str, Weight], name: str) -> bool:
     return False
 
 
+def split_fused_projections(folder: Path, trust_remote_code: bool = False) -> list[str]:
+    """The fused projections (``gate_up_proj``, ``qkv_proj``) of the folder's architecture that its quantizer saved
+    as their parts instead. vLLM fuses such parts back when it loads; transformers 5.17 does not (it leaves the fused
+    weight uninitialized), so a folder that has any does not run in transformers."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .artifacts import _tensors
+
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("quantization_config", None)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), trust_remote_code=trust_remote_code)
+    modules = {name for name, _ in model.named_modules()}
+    saved = {name.rpartition(".")[0] for name, _ in _tensors(folder)}
+    split = set()
+    for module in modules:
+        owner, _, fused = module.rpartition(".")
+        parts = FUSED_PARTS.get(fused, ())
+        if parts and module not in saved and all(f"{owner}.{part}" in saved for part in parts):
+            split.add(fused)
+    return sorted(split)
+
+
 def fuse_split_projections(sources: dict[str, Weight], expected: set[str]) -> None:
     """Concatenate saved parts (in the model's own output order) into the fused weight the architecture expects."""
     for name in sorted(expected - set(sources)):

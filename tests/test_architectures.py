@@ -158,6 +158,18 @@ def test_the_card_measures_what_the_serving_library_computes(kind, key, arch_run
 
 
 @pytest.mark.slow
+def test_a_folder_transformers_cannot_load_does_not_claim_it(arch_run):
+    """Phi-3's GPTQ folder (gate_up_proj saved as gate_proj and up_proj) runs in vLLM, not in transformers: the card
+    lists vLLM alone and the model card offers no transformers load."""
+    _, out = arch_run("phi3")
+    entry = next(e for e in read_json(out / "card.json")["formats"] if e["key"] == "gptq-int4")
+    assert entry["runtimes"] == ["vllm"], entry["runtimes"]
+    assert "gate_up_proj saved as its parts" in entry["quantize"]["not_runtimes"]["transformers"]
+    model_card = (out / "artifacts" / "gptq-int4" / "README.md").read_text()
+    assert "from_pretrained" not in model_card and "transformers does not load this folder" in model_card
+
+
+@pytest.mark.slow
 def test_a_library_failure_fails_its_format_alone_and_a_rerun_retries_only_it(tiny_model, tmp_path):
     """An OLMo 2 with tied embeddings converts and quantizes, but llama.cpp 0.3.36 cannot load it (its olmo2 loader
     wants an output tensor): the GGUF format fails in evaluation, int8 is finished, the card lists the failure."""

@@ -234,9 +234,26 @@ class GPTQModelBackend(HFFolderBackend):
             facts["act_order"] = act_order
         if note:
             facts["group_size_note"] = note
+        from ..dequant import split_fused_projections
+
+        split = split_fused_projections(job.out, job.source.trust_remote_code)
+        if split:  # GPTQModel 7.6 saves Phi-3's gate_up_proj so: vLLM loads the folder, transformers does not
+            facts["not_runtimes"] = {
+                "transformers": f"{', '.join(split)} saved as its parts, which vLLM fuses back when it loads and "
+                "transformers does not"
+            }
         return facts
 
-    def probe_target(self, artifact_dir: Path) -> tuple[str, Path]:
+    def probe_target(self, artifact_dir: Path) -> tuple[str, Path] | str:
         # vLLM where installed (its Marlin kernels); else transformers with GPTQModel's CPU (torch) kernels, what a
-        # CPU user would run.
-        return vllm_target(artifact_dir) or ("transformers", artifact_dir)
+        # CPU user would run, unless transformers cannot load the folder (see split_fused_projections).
+        from ..dequant import split_fused_projections
+
+        served = vllm_target(artifact_dir)
+        if served:
+            return served
+        split = split_fused_projections(artifact_dir)
+        if split:
+            parts = ", ".join(split)
+            return f"not measured here: vLLM not installed, and transformers does not load {parts} saved as its parts"
+        return ("transformers", artifact_dir)

@@ -166,12 +166,16 @@ class HFFolderBackend(Backend):
         usage = ["```bash", vllm_command(folder.name, max_len, fp8_kv), "```"]
         if fp8_kv:
             usage += ["", f"An fp16 KV cache of {context} tokens does not fit on {fit['gpu']}; an fp8 one does."]
-        usage += [
-            "",
-            "```python",
-            "from transformers import AutoModelForCausalLM, AutoTokenizer",
-            f'model = AutoModelForCausalLM.from_pretrained("./{folder.name}", device_map="auto")',
-            f'tokenizer = AutoTokenizer.from_pretrained("./{folder.name}")',
-            "```",
-        ]
+        refused = (entry.get("quantize") or {}).get("not_runtimes", {}).get("transformers")
+        if refused:
+            usage += ["", f"transformers does not load this folder: {refused}."]
+        else:
+            usage += [
+                "",
+                "```python",
+                "from transformers import AutoModelForCausalLM, AutoTokenizer",
+                f'model = AutoModelForCausalLM.from_pretrained("./{folder.name}", device_map="auto")',
+                f'tokenizer = AutoTokenizer.from_pretrained("./{folder.name}")',
+                "```",
+            ]
         return Deployment("transformers", [str(quant_config.get("quant_method"))], quant_config, usage)
