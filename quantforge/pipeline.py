@@ -1161,6 +1161,8 @@ def resource_plan(plan: Plan, facts: dict, host) -> dict:
         speed_tokens=(plan.speed["prompt_tokens"] + plan.speed["gen_tokens"]) * plan.speed["runs"] if plan.speed else 0,
         speed_runs=plan.speed["runs"] if plan.speed else 3,
         speed_gen_tokens=plan.speed["gen_tokens"] if plan.speed else 0,
+        intermediates=frozenset(name for c in plan.choices for name in c.backend.intermediates(c.format)),
+        calibration_seqlen=plan.calibration.seqlen if plan.needs_calibration else 0,
         tasks=list(plan.tasks["names"]),
         device=plan.device,
         quantize_dtype=plan.quantize["dtype"],

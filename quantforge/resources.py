@@ -76,6 +76,7 @@ FIXED_SECONDS = {  # start-up work that does not grow with the model: imports, c
     "reference": 4.0,
     "evaluate": 1.0,
     "intermediate/gguf-f16": 4.5,
+    "intermediate/imatrix": 1.0,
     "quantize/gguf": 0.2,
     "speed": 8.0,
     "card": 2.0,
@@ -144,6 +145,15 @@ GGUF_QUANTIZE_PARAMETERS_PER_SECOND = 43e6  # llama_model_quantize from F16, per
 # digest) on the two-layer Qwen2.5-7B shape (82.6 s for Q4_K_M); the issue's full-depth builds, not fitted on:
 # Qwen2.5-1.5B 83 s and a 7B-shaped qwen2 342 s, predicted 77 s and 381 s.
 KQUANT_PARAMETERS_PER_SECOND = 10e6
+# The IQ3/IQ2 types search a lattice for each block: per thread, from the ladder on the tiny llama (13.9M
+# parameters, 2 threads: IQ3_XXS 5.9 s, IQ2_XS 4.7 s, IQ2_M 5.9 s, IQ2_XXS 2.5 s; Q4_0 1.0 s). Not measured at a
+# real size. IQ4_XS quantizes like a K-quant.
+IQ_PARAMETERS_PER_SECOND = 1.2e6
+IQ_LATTICE_TYPES = ("iq3m", "iq3xxs", "iq2m", "iq2xs", "iq2xxs")
+# llama-imatrix runs the F16 file over the calibration set: at twice the Q8_0 rate the host's llama.cpp reaches
+# (F16 weights are twice the bytes; an estimate: its child's peak is not recorded yet, its time is 1.1 s on the
+# tiny llama's 8 x 128 tokens).
+IMATRIX_F16_SLOWDOWN = 2.0
 KQUANT_BLOCK = 256
 # The reference's speed probe: transformers on the checkpoint as stored (bf16), prompt and decode alike at about
 # this many times the float32 GEMM time of its multiplies where torch emulates bf16 (measured here on the two-layer
@@ -297,6 +307,8 @@ class PlanInputs:
     first_scored: int = 0  # positions of each window before the first scored one: the output layer skips them
     speed_runs: int = 3  # a probe's timed runs (one warm-up run before them)
     speed_gen_tokens: int = 64  # tokens a probe run generates
+    intermediates: frozenset = frozenset()  # the shared files the formats need: "gguf-f16", "imatrix"
+    calibration_seqlen: int = 0  # tokens a calibration sequence holds (llama-imatrix's window)
 
 
 def process_base_bytes(size: ModelSize) -> int:
@@ -432,9 +444,14 @@ def kquant_parameters(size: ModelSize) -> int:
 
 
 def _gguf_quantize_seconds(size: ModelSize, key: str, threads: int) -> float:
-    """K-quant formats (Q4_K_M, Q5_K_M, Q6_K: a "k" in the quant's name) at the K-quant rate where rows allow it."""
+    """K-quant formats (Q4_K_M, Q5_K_M, Q6_K, Q3_K_M, Q2_K: a "k" in the quant's name; IQ4_XS) at the K-quant rate
+    where rows allow it, the IQ3/IQ2 types at their lattice search's rate."""
     quant = key.split("@")[0].removeprefix("gguf-")
-    kquant = kquant_parameters(size) if "k" in quant else 0
+    if quant in IQ_LATTICE_TYPES:
+        return kquant_parameters(size) / (IQ_PARAMETERS_PER_SECOND * threads) + (
+            size.parameters - kquant_parameters(size)
+        ) / (GGUF_QUANTIZE_PARAMETERS_PER_SECOND * threads)
+    kquant = kquant_parameters(size) if "k" in quant or quant == "iq4xs" else 0
     return kquant / (KQUANT_PARAMETERS_PER_SECOND * threads) + (size.parameters - kquant) / (
         GGUF_QUANTIZE_PARAMETERS_PER_SECOND * threads
     )
@@ -555,6 +572,16 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
         child = int(CONVERTER_RSS + CONVERTER_BYTES_PER_LARGEST_ELEMENT * largest_tensor_elements(size))
         stages.append(
             _child_stage(intermediate_stage("gguf-f16"), seconds, base, int(CONVERTER_RSS), child, size.bf16_bytes)
+        )
+    if "imatrix" in inputs.intermediates:
+        # llama.cpp's llama-imatrix, a child process: the F16 file mapped, one calibration sequence's window.
+        seconds = FIXED_SECONDS["intermediate/imatrix"] + IMATRIX_F16_SLOWDOWN * inputs.calibration_tokens * (
+            ggml_seconds or flop_seconds
+        )
+        window = _llama_window_bytes(size, inputs.calibration_seqlen or inputs.context)
+        child = int(GGUF_QUANTIZE_PROCESS_BYTES + 2 * size.parameters + window)
+        stages.append(
+            _child_stage(intermediate_stage("imatrix"), seconds, base, int(GGUF_QUANTIZE_PROCESS_BYTES), child, 0)
         )
     bits_of = {key: bits for key, _, bits in inputs.formats}
     for key, family, bits in inputs.formats:

@@ -10,6 +10,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import FAST_EVAL, REPO, quantforge_cli, read_json
 
 from quantforge.decide import Candidate, Targets, decide
@@ -120,12 +121,27 @@ def test_equal_sizes_fall_to_the_closest_file():
     assert [v.key for v in sized.verdicts] == ["gguf-q8_0", "gguf-q4km@autoround", "gguf-q4km@imatrix", "gguf-q4km"]
 
 
-def test_memory_fit_on_a_gpu(mixed_run):
+def _kv_cache_bytes_per_token(model_dir: Path) -> int:
+    """What transformers' own KV cache holds per token for this model in float16: a forward of 64 tokens, its
+    cache's tensors measured (an independent count of what the card's memory fit assumes)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float16).eval()
+    with torch.inference_mode():
+        cache = model(input_ids=torch.arange(3, 67)[None], use_cache=True).past_key_values
+    layers = cache.layers
+    held = sum(
+        layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+        for layer in layers
+    )
+    return held // 64
+
+
+def test_memory_fit_on_a_gpu(mixed_run, tiny_llama):
     card = card_with(mixed_run, "--gpu", "RTX 4090", "--context", "2048", "--concurrency", "4")
+    per_token = _kv_cache_bytes_per_token(tiny_llama)
     for entry in card["formats"]:
         fit = entry["memory_fit"]["RTX 4090"]
-        config = card["model"]["config"]
-        per_token = config["num_layers"] * config["num_kv_heads"] * config["head_dim"] * 2 * 2
         assert fit["kv_bytes_per_token"] == per_token
         assert fit["needed_gb"] == pytest.approx((entry["quantize"]["tensor_bytes"] + per_token * 2048 * 4) / 1e9)
         assert fit["fits"]

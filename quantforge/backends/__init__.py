@@ -113,6 +113,8 @@ class Backend(abc.ABC):
     extra: ClassVar[str] = ""
     # Formats this backend makes only when asked with --backend (another backend is their default).
     alternative_for: ClassVar[frozenset[str]] = frozenset()
+    # Formats of its family this backend does not make, and why (the one line a user asking it for one reads).
+    refuses: ClassVar[dict[str, str]] = {}
     # Whether quantize() reads the run's calibration set (job.calibration).
     needs_calibration: ClassVar[bool] = False
     # Formats whose calibration runs in the build's chosen arithmetic (job.dtype, see device.quantizer_dtype);
@@ -260,6 +262,17 @@ def default_backend_name(format_name: str, backends: dict[str, Backend]) -> str:
     return (preferred or makers)[0]
 
 
+def canonical_format_name(name: str, backends: dict[str, Backend]) -> str:
+    """A format's own name, from it or from the scheme its runtime knows it by: llama.cpp's ``Q4_K_M``, ``q4_k_m``
+    or ``gguf-Q4_K_M`` are ``gguf-q4km``. Names that match nothing are returned as given."""
+    formats = {f.name: f for backend in backends.values() for f in backend.formats.values()}
+    if name in formats:
+        return name
+    wanted = name.upper().removeprefix("GGUF-")
+    matches = {f.name for f in formats.values() if f.family == "gguf" and f.scheme.upper() == wanted}
+    return matches.pop() if len(matches) == 1 else name
+
+
 def resolve_formats(
     names: list[str], backend_names: list[str] | None, backends: dict[str, Backend] | None = None
 ) -> list[Choice]:
@@ -270,11 +283,17 @@ def resolve_formats(
         if backend_name not in backends:
             raise QuantforgeError(f"unknown backend '{backend_name}'; known backends: {', '.join(sorted(backends))}")
     choices: list[Choice] = []
-    for name in names:
+    for asked in names:
+        name = canonical_format_name(asked, backends)
         if name not in known:
             raise QuantforgeError(
-                f"unknown format '{name}'; known formats: {', '.join(known)} (see 'quantforge formats')"
+                f"unknown format '{asked}'; known formats: {', '.join(known)} (see 'quantforge formats'), or "
+                "llama.cpp's own names such as Q4_K_M"
             )
+        for backend_name in backend_names or []:
+            why = backends[backend_name].refuses.get(name)
+            if why and not any(name in backends[b].formats for b in backend_names):
+                raise QuantforgeError(f"backend '{backend_name}' does not make {name}: {why}")
         default = default_backend_name(name, backends)
         wanted = [b for b in (backend_names or []) if name in backends[b].formats] or [default]
         for backend_name in wanted:

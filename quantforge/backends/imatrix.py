@@ -26,14 +26,16 @@ from . import Intermediate, QuantizeJob
 from .llamacpp import (
     F16_GGUF,
     FILE_TYPES,
+    NEEDS_IMATRIX,
     LlamaCppBackend,
     _gguf_format,
     fallback_tensors,
     tensor_types,
 )
 
-# Q8_0 and F16 ignore an importance matrix; the K-quants use it to weight each column's rounding error.
-IMATRIX_FORMATS = ("gguf-q6k", "gguf-q5km", "gguf-q4km")
+# Q8_0 and F16 ignore an importance matrix; the K-quants, Q4_0 and the IQ types use it to weight each column's
+# rounding error, and the IQ2/IQ3 types are made only with one (NEEDS_IMATRIX: this backend is their default).
+IMATRIX_FORMATS = tuple(name for name in FILE_TYPES if name not in ("gguf-f16", "gguf-q8_0"))
 
 
 def joined_calibration_text(tokenizer, calibration: np.ndarray) -> str:
@@ -87,7 +89,7 @@ IMPORTANCE_MATRIX = Intermediate(".gguf", build_importance_matrix, needs=("gguf-
 class LlamaCppImatrixBackend(LlamaCppBackend):
     name = "imatrix"
     formats = {name: _gguf_format(name) for name in IMATRIX_FORMATS}
-    alternative_for = frozenset(IMATRIX_FORMATS)
+    alternative_for = frozenset(IMATRIX_FORMATS) - frozenset(NEEDS_IMATRIX)
     needs_calibration = True
 
     def check(self, source, fmt, settings: dict) -> list[str]:

@@ -20,15 +20,44 @@ from . import Backend, Deployment, Format, Intermediate, LogitsRunner, QuantizeJ
 
 GGUF_RUNTIMES = ("llama.cpp", "ollama")
 
-# format name -> (llama.cpp file type name, LLAMA_FTYPE value)
+# format name -> (llama.cpp file type name, LLAMA_FTYPE value): the ladder GGUF publishers ship.
 FILE_TYPES = {
     "gguf-f16": ("F16", 1),
     "gguf-q8_0": ("Q8_0", 7),
     "gguf-q6k": ("Q6_K", 18),
     "gguf-q5km": ("Q5_K_M", 17),
     "gguf-q4km": ("Q4_K_M", 15),
+    "gguf-q4_0": ("Q4_0", 2),
+    "gguf-iq4xs": ("IQ4_XS", 30),
+    "gguf-q3km": ("Q3_K_M", 12),
+    "gguf-iq3m": ("IQ3_M", 27),
+    "gguf-iq3xxs": ("IQ3_XXS", 23),
+    "gguf-q2k": ("Q2_K", 10),
+    "gguf-iq2m": ("IQ2_M", 29),
+    "gguf-iq2xs": ("IQ2_XS", 20),
+    "gguf-iq2xxs": ("IQ2_XXS", 19),
 }
-NOMINAL_BITS = {"gguf-f16": 16.0, "gguf-q8_0": 8.5, "gguf-q6k": 6.56, "gguf-q5km": 5.7, "gguf-q4km": 4.9}
+# For disk estimates before a file exists (llama.cpp's own table of bits per weight for a 7B model).
+NOMINAL_BITS = {
+    "gguf-f16": 16.0,
+    "gguf-q8_0": 8.5,
+    "gguf-q6k": 6.56,
+    "gguf-q5km": 5.7,
+    "gguf-q4km": 4.9,
+    "gguf-q4_0": 4.5,
+    "gguf-iq4xs": 4.25,
+    "gguf-q3km": 3.9,
+    "gguf-iq3m": 3.7,
+    "gguf-iq3xxs": 3.1,
+    "gguf-q2k": 3.0,
+    "gguf-iq2m": 2.7,
+    "gguf-iq2xs": 2.3,
+    "gguf-iq2xxs": 2.1,
+}
+# The IQ2/IQ3 types llama.cpp makes only with an importance matrix (llama-quantize refuses IQ2 without one; the IQ3
+# ones lose too much without): the imatrix backend makes them, from the run's calibration set.
+NEEDS_IMATRIX = ("gguf-iq3m", "gguf-iq3xxs", "gguf-iq2m", "gguf-iq2xs", "gguf-iq2xxs")
+PLAIN_TYPES = tuple(name for name in FILE_TYPES if name not in NEEDS_IMATRIX)
 
 
 def _gguf_format(name: str) -> Format:
@@ -173,7 +202,12 @@ F16_GGUF = Intermediate(".gguf", convert_f16)
 
 class LlamaCppBackend(Backend):
     name = "llamacpp"
-    formats = {name: _gguf_format(name) for name in FILE_TYPES}
+    formats = {name: _gguf_format(name) for name in PLAIN_TYPES}
+    refuses = {
+        name: "llama.cpp makes it only with an importance matrix: leave --backend out (the imatrix backend makes "
+        "it from the calibration set) or ask --backend imatrix"
+        for name in NEEDS_IMATRIX
+    }
     requires = ("llama_cpp", "gguf")
     extra = "gguf"
     runtime_module = "llama_cpp"
