@@ -187,6 +187,17 @@ def _add_memory_fit(entries: list[dict], config: dict, targets: Targets) -> floa
     return usable
 
 
+def _gpu(targets: Targets) -> tuple[str, str] | None:
+    """The target GPU's name and generation, for a GPU of the table (a size such as 20GB has none)."""
+    from .deploy import parse_gpu
+    from .gpus import GENERATION
+
+    if not targets.gpu:
+        return None
+    name = parse_gpu(targets.gpu).name
+    return (name, GENERATION[name]) if name in GENERATION else None
+
+
 def build_card(run_dir: Path, targets: Targets) -> dict:
     manifest = Manifest.open(run_dir)
     if not manifest.path.exists() or "plan" not in manifest.data:
@@ -217,6 +228,8 @@ def build_card(run_dir: Path, targets: Targets) -> dict:
             e["size_bytes"],
             e["metrics"],
             e.get("intervals") or {},
+            tuple(e.get("gpu_generations") or ()),
+            tuple(e.get("gpu_weight_only") or ()),
         )
         for e in entries
         if e["complete"]
@@ -226,7 +239,7 @@ def build_card(run_dir: Path, targets: Targets) -> dict:
     for entry in entries:
         if entry["key"] in failures:
             entry["failure"] = failures[entry["key"]]
-    decision = decide(candidates, targets, usable, {key: f["line"] for key, f in failures.items()})
+    decision = decide(candidates, targets, usable, {key: f["line"] for key, f in failures.items()}, _gpu(targets))
     plan = manifest.data["plan"]
     reference = manifest.stage(REFERENCE)
     scoring = EvalSettings(**plan["eval_settings"]).scoring  # the settings leave out the default

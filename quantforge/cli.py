@@ -62,7 +62,11 @@ TARGET_OPTIONS = [
     click.option("--min-task-recovery", help="Target per task, e.g. arc_easy=98,hellaswag=97 (percent)."),
     click.option("--max-size", "max_size_gb", type=float, help="Target: largest artifact size in GB."),
     click.option("--min-decode-tps", type=float, help="Target: smallest decode speed measured on this host (tok/s)."),
-    click.option("--gpu", help="Target: must fit this GPU (H100, H200, A100, L40S, RTX 4090, RTX 3090, or e.g. 20GB)."),
+    click.option(
+        "--gpu",
+        help="Target: must fit and run on this GPU (B200, H200, H100, H100 PCIe, A100, L40S, RTX 5090, RTX 4090, "
+        "RTX 3090, A10G, L4, T4, or a size such as 20GB).",
+    ),
     click.option("--context", type=int, help="Tokens per sequence the GPU must hold (default 4096)."),
     click.option("--concurrency", type=int, help="Sequences held at once on the GPU (default 1)."),
     click.option("--runtime", help="Count only formats that run in: any, vllm, transformers, llama.cpp, ollama."),

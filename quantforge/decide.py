@@ -27,6 +27,8 @@ class Candidate:
     size_bytes: int
     metrics: dict  # perplexity_increase_pct, kld_mean, top1_agreement, ... (absent when not measured)
     intervals: dict = field(default_factory=dict)  # metric -> {"low", "high", "n", "unit"} (uncertainty.py)
+    gpu_generations: tuple[str, ...] = ()  # where its kernels run it as made (empty: everywhere); Format's
+    gpu_weight_only: tuple[str, ...] = ()  # where they run its weights alone
 
 
 @dataclass(frozen=True)
@@ -227,21 +229,47 @@ def _miss_ratio(check: dict, target: Target) -> float:
     return abs(check["value"] - target.limit) / scale
 
 
+def _weight_only_note(candidate: Candidate, gpu: tuple[str, str] | None) -> str:
+    if gpu is None or gpu[1] not in candidate.gpu_weight_only:
+        return ""
+    return (
+        f"; on {gpu[0]} it runs with its weights alone (activations unquantized), so the figures, measured with "
+        "quantized activations, are if anything pessimistic"
+    )
+
+
+def _gpu_exclusion(candidate: Candidate, gpu: tuple[str, str] | None) -> str | None:
+    """Why the candidate cannot run on the target GPU (its name, generation), or None."""
+    if gpu is None or not candidate.gpu_generations:
+        return None
+    name, generation = gpu
+    if generation in candidate.gpu_generations or generation in candidate.gpu_weight_only:
+        return None
+    runs_on = ", ".join(g.capitalize() for g in candidate.gpu_generations)
+    return f"does not run on {name} ({generation.capitalize()}): its kernels run on {runs_on} GPUs"
+
+
 def decide(
     candidates: list[Candidate],
     targets: Targets,
     usable_gpu_gb: float | None = None,
     failures: dict[str, str] | None = None,
+    gpu: tuple[str, str] | None = None,
 ) -> Decision:
     """``usable_gpu_gb``: what the GPU of ``targets.gpu`` offers weights and KV cache (see deploy.memory_fit);
     each candidate then carries ``gpu_needed_gb`` in its metrics. ``failures``: formats that could not be made or
-    measured (key -> the one-line failure), listed last with that line as their reason."""
+    measured (key -> the one-line failure), listed last with that line as their reason. ``gpu``: the target GPU's
+    name and generation (gpus.GENERATION), when it is one of the table's: formats whose kernels it lacks are
+    excluded (INT8 W8A8 on Blackwell), and so INT8 before INT4 becomes FP8 before INT4 there."""
     limits = targets.limits(usable_gpu_gb)
     by_name = {t.name: t for t in limits}
     eligible, verdicts = [], []
     for candidate in candidates:
+        unrunnable = _gpu_exclusion(candidate, gpu)
         if targets.runtime != "any" and targets.runtime not in candidate.runtimes:
             verdicts.append(Verdict(candidate.key, "excluded", f"does not run in {targets.runtime}"))
+        elif unrunnable:
+            verdicts.append(Verdict(candidate.key, "excluded", unrunnable))
         else:
             eligible.append(candidate)
     eligible.sort(key=_rank)
@@ -260,7 +288,7 @@ def decide(
                 reason = "least aggressive format that meets every target" + (
                     f" ({candidate.bits_per_weight:.2f} bits/weight)"
                 )
-                reason += _noise_note(candidate, checks, by_name)
+                reason += _noise_note(candidate, checks, by_name) + _weight_only_note(candidate, gpu)
                 ranked.append(Verdict(candidate.key, "recommended", reason, checks))
             elif smallest is not candidate:  # a closer file of this size meets the targets too
                 ranked.append(Verdict(candidate.key, "meets targets", _farther(candidate, smallest), checks))

@@ -6,12 +6,34 @@ from __future__ import annotations
 
 # name -> (memory GB, memory bandwidth GB/s), vendors' published figures
 GPUS = {
-    "H100": (80, 3350),
+    "B200": (180, 8000),
     "H200": (141, 4800),
+    "H100": (80, 3350),
+    "H100 PCIe": (80, 2000),
     "A100": (80, 2039),
     "L40S": (48, 864),
+    "RTX 5090": (32, 1792),
     "RTX 4090": (24, 1008),
     "RTX 3090": (24, 936),
+    "A10G": (24, 600),
+    "L4": (24, 300),
+    "T4": (16, 320),
+}
+# Each GPU's generation: which quantized kernels it has (Format.gpu_generations says where a format runs).
+GENERATIONS = ("turing", "ampere", "ada", "hopper", "blackwell")
+GENERATION = {
+    "B200": "blackwell",
+    "RTX 5090": "blackwell",
+    "H200": "hopper",
+    "H100": "hopper",
+    "H100 PCIe": "hopper",
+    "L40S": "ada",
+    "RTX 4090": "ada",
+    "L4": "ada",
+    "A100": "ampere",
+    "RTX 3090": "ampere",
+    "A10G": "ampere",
+    "T4": "turing",
 }
 
 

@@ -120,6 +120,8 @@ class Plan:
                     "backend": c.backend.name,
                     "family": c.format.family,
                     "runtimes": list(c.format.runtimes),
+                    "gpu_generations": list(c.format.gpu_generations),
+                    "gpu_weight_only": list(c.format.gpu_weight_only),
                 }
                 for c in self.choices
             },

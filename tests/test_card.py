@@ -137,6 +137,46 @@ def _kv_cache_bytes_per_token(model_dir: Path) -> int:
     return held // 64
 
 
+def test_a_gpu_generation_runs_only_the_formats_its_kernels_run():
+    """Issue 37: vLLM has no INT8 W8A8 kernel on Blackwell, so --gpu B200 never recommends INT8 and FP8 takes its
+    place before INT4; on an H100 FP8 wins over INT4 when it meets the targets; on an A100 FP8 runs weights-only."""
+    from quantforge.backends.llmcompressor import FORMATS
+
+    def candidate(key, bits, kld):
+        fmt = FORMATS.get(key)
+        generations = (fmt.gpu_generations, fmt.gpu_weight_only) if fmt else ((), ())
+        return Candidate(
+            key,
+            "hf",
+            ("vllm",),
+            bits,
+            int(bits * 1e8),
+            {"kld_mean": kld, "perplexity_increase_pct": 0.5},
+            {},
+            *generations,
+        )
+
+    candidates = [candidate("int8", 8.2, 0.002), candidate("fp8", 8.1, 0.003), candidate("gptq-int4", 4.3, 0.05)]
+    blackwell = decide(candidates, Targets(), gpu=("B200", "blackwell"))
+    verdicts = {v.key: v for v in blackwell.verdicts}
+    assert blackwell.recommended == "fp8"
+    assert verdicts["int8"].outcome == "excluded" and "does not run on B200 (Blackwell)" in verdicts["int8"].reason
+    hopper = decide(candidates, Targets(), gpu=("H100", "hopper"))
+    assert hopper.recommended == "int8"  # both 8-bit formats run there; INT8's file is the larger here
+    assert decide(candidates[1:], Targets(), gpu=("H100", "hopper")).recommended == "fp8"  # FP8 before INT4
+    ampere = decide(candidates[1:], Targets(), gpu=("A100", "ampere"))
+    assert ampere.recommended == "fp8" and "runs with its weights alone" in ampere.verdicts[0].reason
+    assert decide(candidates[1:], Targets(), gpu=("T4", "turing")).recommended == "fp8"  # weight-only Marlin there too
+
+
+def test_gpu_b200_excludes_the_int8_file_of_a_real_run(mixed_run):
+    decision = card_with(mixed_run, "--gpu", "B200", "--max-ppl-increase", "1000", "--max-kld", "1000")["decision"]
+    outcomes = {v["key"]: v for v in decision["verdicts"]}
+    assert outcomes["int8"]["outcome"] == "excluded" and "Blackwell" in outcomes["int8"]["reason"]
+    assert decision["recommended"] != "int8"
+    assert outcomes["gptq-int8"]["outcome"] != "excluded"  # weight-only INT8 (Marlin) runs there
+
+
 def test_memory_fit_on_a_gpu(mixed_run, tiny_llama):
     card = card_with(mixed_run, "--gpu", "RTX 4090", "--context", "2048", "--concurrency", "4")
     per_token = _kv_cache_bytes_per_token(tiny_llama)

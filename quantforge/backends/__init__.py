@@ -41,6 +41,10 @@ class Format:
     description: str = ""
     # The Hub repo suffix releases use for this format (ORG/NAME-GPTQ-Int4); GGUF files share one ORG/NAME-GGUF repo
     hub_suffix: str = ""
+    # The GPU generations (gpus.GENERATIONS) whose kernels run it as made; empty: every one. And those that run its
+    # weights alone (FP8 on Turing and Ampere: vLLM's weight-only Marlin kernel, activations left unquantized).
+    gpu_generations: tuple[str, ...] = ()
+    gpu_weight_only: tuple[str, ...] = ()
 
 
 class LogitsRunner(Protocol):

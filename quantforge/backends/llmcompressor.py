@@ -17,8 +17,21 @@ from pathlib import Path
 from . import Format, QuantizeJob
 from .hf import VLLM_RUNTIMES, HFFolderBackend, drop_load_time_keys, load_calibration, set_threads, vllm_target
 
+# Where vLLM's kernels run each (its quantization hardware table): INT8 W8A8 from Turing to Hopper (no INT8 GEMM on
+# Blackwell); FP8 W8A8 on Ada, Hopper and Blackwell, and on Turing/Ampere as weight-only FP8 (Marlin).
+INT8_GENERATIONS = ("turing", "ampere", "ada", "hopper")
+FP8_GENERATIONS = ("ada", "hopper", "blackwell")
 FORMATS = {
-    "int8": Format("int8", "hf", "W8A8 INT8", VLLM_RUNTIMES, 8.1, "INT8 weights and activations (vLLM)", "W8A8"),
+    "int8": Format(
+        "int8",
+        "hf",
+        "W8A8 INT8",
+        VLLM_RUNTIMES,
+        8.1,
+        "INT8 weights and activations (vLLM)",
+        "W8A8",
+        gpu_generations=INT8_GENERATIONS,
+    ),
     "gptq-int4": Format(
         "gptq-int4", "hf", "GPTQ W4A16 (compressed-tensors)", VLLM_RUNTIMES, 4.25, hub_suffix="GPTQ-Int4"
     ),
@@ -35,6 +48,8 @@ FORMATS = {
         8.1,
         "FP8 weights and activations (vLLM on Hopper, Ada, Blackwell)",
         "FP8-Dynamic",
+        gpu_generations=FP8_GENERATIONS,
+        gpu_weight_only=("turing", "ampere"),
     ),
 }
 SCHEMES = {"int8": "W8A8", "gptq-int4": "W4A16", "gptq-int8": "W8A16", "fp8": "FP8_DYNAMIC"}
