@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -20,12 +21,27 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@contextlib.contextmanager
+def cache_lock():
+    """One test process at a time fills quantforge's user cache (the suite runs in two with pytest-xdist): two
+    writing the same cached folder would each replace the other's while it is read."""
+    import fcntl
+
+    from quantforge.source import cache_root
+
+    cache_root().mkdir(parents=True, exist_ok=True)
+    with open(cache_root() / ".tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The bundled SmolLM2-135M as an HF folder (dequantized once into the user's quantforge cache)."""
     from quantforge.source import BUNDLED
 
-    return BUNDLED["smollm2-135m"](lambda message: None)
+    with cache_lock():
+        return BUNDLED["smollm2-135m"](lambda message: None)
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +55,8 @@ def tiny_model(smollm2_dir, tmp_path_factory):
 
     def get(kind: str) -> Path:
         if kind not in built:
-            built[kind] = build_tiny_model(kind, smollm2_dir, root / folder_name(kind))
+            with cache_lock():  # the qwen2 model takes its tokenizer from the cache's bundled Qwen GGUF
+                built[kind] = build_tiny_model(kind, smollm2_dir, root / folder_name(kind))
         return built[kind]
 
     return get

@@ -8,12 +8,15 @@ build exits 3 (errors.EXIT_FORMATS_FAILED). These run the real libraries on tiny
 from __future__ import annotations
 
 import json
+import math
+from collections import Counter
 
 import numpy as np
 import pytest
 from conftest import WIKITEXT, quantforge_cli, read_json
 from tiny_models import ARCHITECTURES
 
+from quantforge.backends.llamacpp import tensor_types
 from quantforge.errors import EXIT_FORMATS_FAILED
 
 # Small but real: wikitext windows, a calibration set from C4's first documents.
@@ -47,6 +50,23 @@ LIMITS = {
 ADDS_BOS = {"mistral", "gemma3"}  # their (SentencePiece) tokenizers put BOS in front of every text
 
 
+# The GGUF ladder (issue 37) as users type it, llama.cpp's names in any case, and the format each is; built on two
+# architectures here, in the same builds: the llama (SmolLM2's tokenizer, tied embeddings) and Gemma 3 (a
+# SentencePiece tokenizer that adds BOS, sliding-window layers).
+LADDER = {
+    "Q4_0": "gguf-q4_0",
+    "iq4_xs": "gguf-iq4xs",
+    "Q3_K_M": "gguf-q3km",
+    "q2_k": "gguf-q2k",
+    "IQ3_M": "gguf-iq3m",
+    "IQ3_XXS": "gguf-iq3xxs",
+    "IQ2_M": "gguf-iq2m",
+    "IQ2_XS": "gguf-iq2xs",
+    "IQ2_XXS": "gguf-iq2xxs",
+}
+LADDER_KINDS = ("llama", "gemma3")
+
+
 @pytest.fixture(scope="module")
 def arch_run(tiny_model, tmp_path_factory):
     runs = {}
@@ -55,6 +75,8 @@ def arch_run(tiny_model, tmp_path_factory):
         if kind not in runs:
             out = tmp_path_factory.mktemp("arch") / kind
             formats = f"gguf-f16,gguf-q8_0,gguf-q4km,{TORCH_FORMAT[kind]}"
+            if kind in LADDER_KINDS:
+                formats += "," + ",".join(LADDER)
             result = quantforge_cli("build", str(tiny_model(kind)), "--out", str(out), "--formats", formats, *ARCH_ARGS)
             runs[kind] = (result, out)
         return runs[kind]
@@ -78,7 +100,7 @@ def test_every_architecture_builds_and_matches_its_reference(kind, arch_run):
     else:
         assert result.returncode == 0, result.stderr
         assert refused == set()
-    made = [key for key in formats if key not in refused]
+    made = [key for key in formats if key not in refused and key not in LADDER.values()]  # the ladder: below
     assert all(formats[key]["complete"] for key in made), result.stderr
     metrics = {key: formats[key]["metrics"] for key in made}
     # llama.cpp on the F16 file computes what transformers computes on the folder.
@@ -208,3 +230,60 @@ def test_a_library_failure_fails_its_format_alone_and_a_rerun_retries_only_it(ti
     after = read_json(out / "run.json")["stages"]
     assert {key: after[key]["started"] for key in started} == started  # nothing finished was redone
     assert read_json(out / "card.json")["failed"][0]["key"] == "gguf-q8_0"
+
+
+# The type llama.cpp's quantizer gives most of the decoder's weight matrices under each file type (its own mixing
+# rules: IQ2_M is mostly IQ2_S, IQ3_M mostly IQ3_S). Seen on both models.
+MAIN_TYPE = {
+    "gguf-q4_0": "Q4_0",
+    "gguf-iq4xs": "IQ4_XS",
+    "gguf-q3km": "Q3_K",
+    "gguf-q2k": "Q2_K",
+    "gguf-iq3m": "IQ3_S",
+    "gguf-iq3xxs": "IQ3_XXS",
+    "gguf-iq2m": "IQ2_S",
+    "gguf-iq2xs": "IQ2_XS",
+    "gguf-iq2xxs": "IQ2_XXS",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", LADDER_KINDS)
+def test_the_gguf_ladder_is_made_by_llama_cpp_and_measured_from_disk(kind, arch_run):
+    _, run = arch_run(kind)
+    card = read_json(run / "card.json")
+    entries = {entry["key"]: entry for entry in card["formats"]}
+    assert set(LADDER.values()) <= set(entries)  # llama.cpp's names resolved to quantforge's formats
+    for key, entry in entries.items():
+        if key not in LADDER.values():
+            continue
+        gguf = next((run / entry["artifact"]).glob("*.gguf"))
+        decoder = Counter(t for name, t in tensor_types(gguf).items() if name.startswith("blk.") and "norm" not in name)
+        assert decoder.most_common(1)[0][0] == MAIN_TYPE[key], (key, decoder)
+        assert entry["how"]["runtime"] == "llama.cpp"
+        metrics = entry["metrics"]
+        assert math.isfinite(metrics["perplexity"]) and metrics["tokens_scored"] == card["reference"]["tokens_scored"]
+        interval = entry["intervals"]["kld_mean"]
+        assert interval["low"] <= metrics["kld_mean"] <= interval["high"]
+        # Measured (2026-12-07): Gemma 3 from IQ4_XS 0.0055 to IQ2_XXS 0.080; the llama (flat distributions of random
+        # weights and a tied 49k embedding) from IQ4_XS 0.095 to IQ2_XXS 0.93. A broken file sits far above.
+        assert 0 < metrics["kld_mean"] < 3.0, (key, metrics)
+    # The IQ3/IQ2 types come from the importance-matrix backend, made once from the calibration set; the others
+    # from llama.cpp's plain quantizer.
+    stages = read_json(run / "run.json")["stages"]
+    assert "intermediate/imatrix" in stages
+    for key in ("gguf-iq3m", "gguf-iq3xxs", "gguf-iq2m", "gguf-iq2xs", "gguf-iq2xxs"):
+        assert entries[key]["backend"] == "imatrix" and next((run / "artifacts" / key).glob("*-imat.gguf"))
+    assert entries["gguf-q4_0"]["backend"] == "llamacpp"
+    # The 2-bit files are the smallest; Q4_0 and IQ4_XS the largest of the ladder.
+    bits = {key: entries[key]["bits_per_weight"] for key in LADDER.values()}
+    assert max(bits["gguf-iq2xxs"], bits["gguf-iq2xs"]) < min(bits["gguf-q4_0"], bits["gguf-iq4xs"])
+
+
+def test_a_type_that_needs_an_importance_matrix_is_refused_without_one(tiny_model, tmp_path):
+    result = quantforge_cli("build", str(tiny_model("llama")), "--out", str(tmp_path / "run"), "--formats", "IQ2_XXS",
+                            "--backend", "llamacpp")  # fmt: skip
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert "backend 'llamacpp' does not make gguf-iq2xxs" in last and "importance matrix" in last, result.stderr
+    assert not (tmp_path / "run" / "artifacts").exists()

@@ -84,6 +84,7 @@ def test_each_family_shape_has_its_stated_size_at_full_depth(name):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("real-shapes")  # one at a time, in one test process: up to 9 GB each
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_real_shape_builds_through_every_stage_within_its_plan(name, tmp_path):
     from quantforge.resources import plan_versus_actual
