@@ -25,16 +25,17 @@ ARCH_ARGS = [
     *("--eval-text", str(WIKITEXT), "--ppl-context", "96", "--ppl-windows", "3", "--threads", "2", "--no-speed"),
     *("--calibration", str(C4), "--calib-samples", "8", "--calib-seqlen", "64"),
 ]
-# One torch format per architecture, both libraries covered; Gemma 3 also asks GPTQModel, which must refuse it.
+# Torch formats per architecture, both libraries covered, AWQ on two (with the tiny llama's in test_torch_formats,
+# three); Gemma 3 also asks GPTQModel, which must refuse it.
 TORCH_FORMAT = {
     "llama": "gptq-int4",
     "mistral": "int8",
-    "qwen2": "gptq-int4",
+    "qwen2": "gptq-int4,awq",
     "qwen3": "int8",
     "gemma3": "int8,gptq-int4",
     "phi3": "gptq-int4",
     "qwen2_moe": "int8",
-    "olmo2": "gptq-int4",
+    "olmo2": "gptq-int4,awq",
 }
 # Per format: (largest perplexity change in percent either way, largest mean KL), about four times the largest
 # measured over the eight architectures (2026-12-07: Q8_0 0.5% and KL 0.0046, INT8 0.38% and 0.0073, Q4_K_M 5.3% and
@@ -46,6 +47,7 @@ LIMITS = {
     "int8": (1.5, 0.03),
     "gguf-q4km": (20.0, 0.75),
     "gptq-int4": (14.0, 0.9),
+    "awq": (26.0, 0.7),  # 6.5% and 0.165 at most (qwen2; olmo2 3.7% and 0.070, the tiny llama 1.8% and 0.142)
 }
 ADDS_BOS = {"mistral", "gemma3"}  # their (SentencePiece) tokenizers put BOS in front of every text
 
@@ -169,8 +171,9 @@ SERVED = [pair for pair in SERVED if pair not in NOT_LOADABLE_HERE]
 def test_the_card_measures_what_the_serving_library_computes(kind, key, arch_run):
     """Issue 36: per-position KL between the serving library's logits and quantforge's on the run's windows.
     Measured (2026-12-07): INT8 weights 0 exactly on mistral, qwen3 and gemma3; GPTQ int4 at most 4.0e-4 (llama),
-    5.1e-4 (qwen2) and 1.0e-4 (olmo2): GPTQModel dequantizes in float16 (its weights differ from quantforge's
-    float32 ones by at most 3.9e-4 relative, float16's rounding), as GPU kernels do in the model's half precision."""
+    5.1e-4 (qwen2) and 1.0e-4 (olmo2); AWQ 2.9e-4 (qwen2) and 6.7e-5 (olmo2): GPTQModel dequantizes in float16 (its
+    weights differ from quantforge's float32 ones by at most 3.9e-4 relative, float16's rounding), as GPU kernels do
+    in the model's half precision."""
     from conftest import kl_against_the_serving_library
 
     _, out = arch_run(kind)
