@@ -370,7 +370,8 @@ def test_a_probe_on_a_gpu_is_set_beside_that_gpus_roofline_not_the_hosts():
     assert on_h100["fraction_of_roofline"] == pytest.approx(400 / on_h100["decode_tps_bound"])
     assert on_h100["device"] == "cuda:1" and on_h100["device_name"] == "NVIDIA H100 80GB HBM3"
     assert published_bandwidth("NVIDIA GeForce RTX 4090")[0] == "RTX 4090"
-    unknown = device_roofline("cuda:0", weights, speed, device_name="NVIDIA B200")
+    assert published_bandwidth("NVIDIA H100 PCIe")[0] == "H100 PCIe"  # the longer name first
+    unknown = device_roofline("cuda:0", weights, speed, device_name="Tesla V100-SXM2-32GB")
     assert unknown["decode_tps_bound"] is None and unknown["fraction_of_roofline"] is None
     on_cpu = device_roofline("cpu", weights, {"decode_tps": 2.0, "host_decode_tps_bound": 5.0})
     assert on_cpu["decode_tps_bound"] == 5.0 and on_cpu["fraction_of_roofline"] == 0.4

@@ -14,38 +14,38 @@ import pytest
 from conftest import FAST_EVAL, build_run, quantforge_cli, read_json
 
 PLUGIN_MODULE = '''
-"""GGUF Q4_0 (llama.cpp's legacy 4-bit type), a format quantforge itself does not list, served by "q40-server"."""
+"""GGUF Q4_1 (llama.cpp's legacy 4-bit type), a format quantforge itself does not list, served by "q41-server"."""
 import dataclasses
 
 from quantforge.backends import Format
 from quantforge.backends.llamacpp import GGUF_RUNTIMES, LlamaCppBackend, quantize_gguf
 from quantforge.probe import probe_llama_cpp
 
-Q4_0 = 2  # LLAMA_FTYPE_MOSTLY_Q4_0
+Q4_1 = 3  # LLAMA_FTYPE_MOSTLY_Q4_1
 
 
-class Q40Backend(LlamaCppBackend):
-    name = "q40-demo"
-    runtimes = (*GGUF_RUNTIMES, "q40-server")  # a runtime quantforge does not know of
-    formats = {"gguf-q4_0": Format("gguf-q4_0", "gguf", "Q4_0", runtimes, 4.5, "GGUF Q4_0 (plugin)", "GGUF")}
+class Q41Backend(LlamaCppBackend):
+    name = "q41-demo"
+    runtimes = (*GGUF_RUNTIMES, "q41-server")  # a runtime quantforge does not know of
+    formats = {"gguf-q4_1": Format("gguf-q4_1", "gguf", "Q4_1", runtimes, 5.0, "GGUF Q4_1 (plugin)", "GGUF")}
 
     def quantize(self, job):
         job.out.mkdir(parents=True)
-        target = job.out / f"{job.source.name}-Q4_0.gguf"
-        facts = quantize_gguf(job.intermediate("gguf-f16"), target, Q4_0, job.threads, job.log_dir / "q40.log")
-        return {**facts, "quantizer": "q40-demo plugin"}
+        target = job.out / f"{job.source.name}-Q4_1.gguf"
+        facts = quantize_gguf(job.intermediate("gguf-f16"), target, Q4_1, job.threads, job.log_dir / "q41.log")
+        return {**facts, "quantizer": "q41-demo plugin"}
 
     def probe_target(self, artifact_dir):
-        return "q40-server", self.artifact_file(artifact_dir)
+        return "q41-server", self.artifact_file(artifact_dir)
 
     def probe(self, runtime, path, prompt, gen_tokens, threads, runs):
-        assert runtime == "q40-server"
-        return {**probe_llama_cpp(path, prompt, gen_tokens, threads, runs), "server": "q40-server 0.1"}
+        assert runtime == "q41-server"
+        return {**probe_llama_cpp(path, prompt, gen_tokens, threads, runs), "server": "q41-server 0.1"}
 
     def deployment(self, folder, card, entry, chat):
         ours = super().deployment(folder, card, entry, chat)
-        serve = ["```bash", f"q40-server --model {self.artifact_file(folder).name}", "```", ""]
-        return dataclasses.replace(ours, tags=[*ours.tags, "q4_0"], usage=[*serve, *ours.usage])
+        serve = ["```bash", f"q41-server --model {self.artifact_file(folder).name}", "```", ""]
+        return dataclasses.replace(ours, tags=[*ours.tags, "q4_1"], usage=[*serve, *ours.usage])
 '''
 
 RTN_MODULE = '''
@@ -166,7 +166,7 @@ def plugin_site(tmp_path_factory):
     project = root / "project"
     (project / "qf_demo").mkdir(parents=True)
     (project / "qf_demo" / "__init__.py").write_text("")
-    (project / "qf_demo" / "q40.py").write_text(textwrap.dedent(PLUGIN_MODULE))
+    (project / "qf_demo" / "q41.py").write_text(textwrap.dedent(PLUGIN_MODULE))
     (project / "qf_demo" / "rtn.py").write_text(textwrap.dedent(RTN_MODULE))
     (project / "qf_demo" / "crash.py").write_text(textwrap.dedent(CRASH_MODULE))
     (project / "pyproject.toml").write_text(
@@ -181,7 +181,7 @@ def plugin_site(tmp_path_factory):
             version = "0.1"
 
             [project.entry-points."quantforge.backends"]
-            q40-demo = "qf_demo.q40:Q40Backend"
+            q41-demo = "qf_demo.q41:Q41Backend"
             rtn-demo = "qf_demo.rtn:RTNBackend"
             crash-demo = "qf_demo.crash:CrashBackend"
             abort-demo = "qf_demo.crash:AbortingRuntimeBackend"
@@ -199,43 +199,43 @@ def test_the_plugin_format_is_listed_with_its_backend(plugin_site):
     result = quantforge_cli("formats", "--json", env={"PYTHONPATH": str(plugin_site)})
     assert result.returncode == 0, result.stderr
     rows = {row["format"]: row for row in json.loads(result.stdout)}
-    assert rows["gguf-q4_0"]["backend"] == "q40-demo" and rows["gguf-q4_0"]["available"]
-    assert "gguf-q4_0" not in {row["format"] for row in json.loads(quantforge_cli("formats", "--json").stdout)}
+    assert rows["gguf-q4_1"]["backend"] == "q41-demo" and rows["gguf-q4_1"]["available"]
+    assert "gguf-q4_1" not in {row["format"] for row in json.loads(quantforge_cli("formats", "--json").stdout)}
 
 
 @pytest.mark.slow
 def test_the_plugin_format_builds_evaluates_and_is_on_the_card(plugin_site, tiny_llama, tmp_path):
     env = {"PYTHONPATH": str(plugin_site)}
     speed = ["--speed", "--prompt-tokens", "16", "--gen-tokens", "4"]
-    args = ["--formats", "gguf-q4_0,gguf-q8_0", *(a for a in FAST_EVAL if a != "--no-speed"), *speed]
+    args = ["--formats", "gguf-q4_1,gguf-q8_0", *(a for a in FAST_EVAL if a != "--no-speed"), *speed]
     run = build_run(tiny_llama, tmp_path / "run", *args, env=env)
     card = read_json(run / "card.json")
     entries = {entry["key"]: entry for entry in card["formats"]}
-    plugin = entries["gguf-q4_0"]
-    assert plugin["backend"] == "q40-demo" and plugin["quantize"]["quantizer"] == "q40-demo plugin"
+    plugin = entries["gguf-q4_1"]
+    assert plugin["backend"] == "q41-demo" and plugin["quantize"]["quantizer"] == "q41-demo plugin"
     assert plugin["how"]["runtime"] == "llama.cpp"
     assert plugin["metrics"]["tokens_scored"] == card["reference"]["tokens_scored"]
     # 4.5 bits against 8.5 on the same windows: more of the reference's distribution is lost
     assert plugin["metrics"]["kld_mean"] > entries["gguf-q8_0"]["metrics"]["kld_mean"] > 0
     assert plugin["bits_per_weight"] < entries["gguf-q8_0"]["bits_per_weight"]
-    assert "gguf-q4_0" in (run / "card.md").read_text()
+    assert "gguf-q4_1" in (run / "card.md").read_text()
     # timed in its own runtime by its own probe (in the probe's process), ours by ours
-    assert plugin["speed"]["measured"] and plugin["speed"]["runtime"] == "q40-server"
-    assert plugin["speed"]["server"] == "q40-server 0.1" and plugin["speed"]["decode_tps"] > 0
+    assert plugin["speed"]["measured"] and plugin["speed"]["runtime"] == "q41-server"
+    assert plugin["speed"]["server"] == "q41-server 0.1" and plugin["speed"]["decode_tps"] > 0
     assert entries["gguf-q8_0"]["speed"]["runtime"] == "llama.cpp" and "server" not in entries["gguf-q8_0"]["speed"]
     # its model card (like every artifact's) says how to serve it, in its words and ours
-    readme = (run / "artifacts" / "gguf-q4_0" / "README.md").read_text()
-    assert "q40-server --model " in readme and "llama-server" in readme
-    assert "- q4_0" in readme.split("---")[1] and "- gguf" in readme.split("---")[1]
-    assert (run / "artifacts" / "gguf-q4_0" / "Modelfile").exists()
-    assert "q40-server" not in (run / "artifacts" / "gguf-q8_0" / "README.md").read_text()
+    readme = (run / "artifacts" / "gguf-q4_1" / "README.md").read_text()
+    assert "q41-server --model " in readme and "llama-server" in readme
+    assert "- q4_1" in readme.split("---")[1] and "- gguf" in readme.split("---")[1]
+    assert (run / "artifacts" / "gguf-q4_1" / "Modelfile").exists()
+    assert "q41-server" not in (run / "artifacts" / "gguf-q8_0" / "README.md").read_text()
     # runtimes are those of the loaded backends: the plugin's own is a valid --runtime where the plugin is installed
     served = quantforge_cli(
         "card",
         str(run),
         "--json",
         "--runtime",
-        "q40-server",
+        "q41-server",
         "--max-ppl-increase",
         "1000",
         "--max-kld",
@@ -243,9 +243,9 @@ def test_the_plugin_format_builds_evaluates_and_is_on_the_card(plugin_site, tiny
         env=env,
     )
     assert served.returncode == 0, served.stderr
-    assert json.loads(served.stdout)["decision"]["recommended"] == "gguf-q4_0"
-    unknown = quantforge_cli("card", str(run), "--runtime", "q40-server")
-    assert unknown.returncode == 2 and "unknown runtime 'q40-server'" in unknown.stderr
+    assert json.loads(served.stdout)["decision"]["recommended"] == "gguf-q4_1"
+    unknown = quantforge_cli("card", str(run), "--runtime", "q41-server")
+    assert unknown.returncode == 2 and "unknown runtime 'q41-server'" in unknown.stderr
 
 
 def test_a_plugin_hf_format_is_evaluated_through_its_own_dequantizer(plugin_site, tiny_llama, tmp_path):

@@ -252,7 +252,7 @@ class GPTQModelBackend(HFFolderBackend):
         served = vllm_target(artifact_dir)
         if served:
             return served
-        split = split_fused_projections(artifact_dir)
+        split = split_fused_projections(artifact_dir) if (artifact_dir / "config.json").exists() else []
         if split:
             parts = ", ".join(split)
             return f"not measured here: vLLM not installed, and transformers does not load {parts} saved as its parts"
