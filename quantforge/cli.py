@@ -25,6 +25,18 @@ from .rundir import CARD_MARKDOWN, MANIFEST_NAME, RunDir
 from .settings import click_options
 
 
+def _pin_the_hugging_face_cache() -> None:
+    """Name huggingface_hub's default cache in HF_HOME when it is unset.
+
+    GPTQModel imports tokenicer, which sets HF_HOME to /tmp/tokenicer_hf_home when it is unset: every download
+    after it in the process, and in every child process, would go to that folder instead of the user's cache (and
+    be lost on reboot). With HF_HOME set to the folder huggingface_hub uses anyway, nothing moves.
+    """
+    if "HF_HOME" not in os.environ:
+        cache = os.environ.get("XDG_CACHE_HOME", os.path.join("~", ".cache"))
+        os.environ["HF_HOME"] = os.path.expanduser(os.path.join(cache, "huggingface"))
+
+
 def _quiet_libraries() -> None:
     """Keep library chatter (per-tensor logs, advice banners) out of the user's terminal."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -197,6 +209,7 @@ def _write_crash_log(exc: BaseException) -> Path:
 @click.version_option(__version__, prog_name="quantforge")
 def main() -> None:
     """Quantize a causal LM into deployable formats, measure each one, and recommend which to ship."""
+    _pin_the_hugging_face_cache()
     _quiet_libraries()
 
 

@@ -21,6 +21,22 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(autouse=True)
+def hugging_face_cache_kept():
+    """Put the Hugging Face cache variables back after each test. A test that loads a GPTQ folder in this process
+    imports GPTQModel, whose tokenicer sets HF_HOME and HF_HUB_CACHE to /tmp/tokenicer_hf_home: every later test
+    that passes its own HF_HOME to a build then downloaded into (or found its repo already in) that folder. CI
+    saw it: the killed-download test's build found acme/tiny-llama there and never downloaded it."""
+    names = ("HF_HOME", "HF_HUB_CACHE", "TRANSFORMERS_CACHE", "HF_MODULES_CACHE")
+    saved = {name: os.environ.get(name) for name in names}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @contextlib.contextmanager
 def cache_lock():
     """One test process at a time fills quantforge's user cache (the suite runs in two with pytest-xdist): two
