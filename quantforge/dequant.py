@@ -9,9 +9,13 @@ footing as the float reference. One small function per checkpoint format, keyed 
   zero points are stored as they are.
 - ``compressed-tensors``: ``int-quantized`` stores int8 weights with per-channel scales; ``float-quantized`` FP8
   (E4M3) weights with per-channel scales; ``pack-quantized`` packs signed 4/8-bit values with an offset of
-  2^(bits-1), 32/bits per int32 along the input dimension.
+  2^(bits-1), 32/bits per int32 along the input dimension; ``nvfp4-pack-quantized`` and ``mxfp4-pack-quantized``
+  pack two FP4 (E2M1) codes per byte, the first in the low nibble (bit 3 the sign, bits 0-2 an index into the eight
+  magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6). NVFP4 scales each 16 values by an FP8 E4M3 scale divided by one float32
+  global scale per tensor; MXFP4 each 32 values by a power of two stored as a biased exponent (E8M0, bias 127).
 
-Formats whose activations are quantized at run time (W8A8: dynamic per-token int8 or FP8) get that applied to each
+Formats whose activations are quantized at run time (W8A8: dynamic per-token int8 or FP8; NVFP4 W4A4: FP4 in
+groups of 16 with an FP8 scale each, under the global scale calibrated into the file) get that applied to each
 quantized Linear's input, as vLLM's kernels do.
 """
 
@@ -78,7 +82,33 @@ def dequantize_awq(tensors: dict[str, torch.Tensor], prefix: str, config: dict) 
     return ((weight - zeros[groups]).float() * scales[groups]).T.contiguous()
 
 
+FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # E2M1: the eight values a code's low 3 bits select
+FP4_MAX = 6.0
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """[rows, cols / 2] bytes -> [rows, cols] float32 values: two E2M1 codes a byte, the first in the low nibble."""
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).long()
+    table = torch.tensor(FP4_MAGNITUDES + tuple(-m for m in FP4_MAGNITUDES), device=packed.device)
+    return table[codes]
+
+
+def _per_group(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return values * scale.repeat_interleave(values.shape[1] // scale.shape[1], dim=1)
+
+
+def dequantize_fp4(tensors: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    values = unpack_fp4(tensors[f"{prefix}.weight_packed"])
+    scale = tensors[f"{prefix}.weight_scale"]
+    if scale.dtype == torch.uint8:  # MXFP4: E8M0 exponents
+        return _per_group(values, torch.exp2(scale.float() - 127.0))
+    # NVFP4: the FP8 block scale over the tensor's global scale, as the checkpoint's own decompression divides it
+    return _per_group(values, scale.float() / tensors[f"{prefix}.weight_global_scale"].float())
+
+
 def dequantize_compressed(tensors: dict[str, torch.Tensor], prefix: str, config: dict) -> torch.Tensor:
+    if _weights_scheme(config).get("type") == "float" and _weights_scheme(config).get("num_bits") == 4:
+        return dequantize_fp4(tensors, prefix)
     scale = tensors[f"{prefix}.weight_scale"].float()
     if f"{prefix}.weight_packed" in tensors:
         bits = _weights_scheme(config)["num_bits"]
@@ -154,12 +184,16 @@ def weight_sources(
     for prefix in prefixes:
         sources[f"{prefix}.weight"] = functools.partial(dequantize, tensors, prefix, quant)
     quantized = set(prefixes)
+    module_tensors: dict[str, dict[str, torch.Tensor]] = {}  # a quantized Linear's other tensors (input scales)
     for name, tensor in tensors.items():
         owner, _, leaf = name.rpartition(".")
         if owner in quantized and leaf != "bias":
+            if leaf.startswith("input_"):
+                module_tensors.setdefault(owner, {})[leaf] = tensor
             continue
         sources[name] = tensor
-    return {**config, "_quantization_config": quant, "_quantized_modules": prefixes}, sources
+    extra = {"_quantization_config": quant, "_quantized_modules": prefixes, "_module_tensors": module_tensors}
+    return {**config, **extra}, sources
 
 
 def dequantized_state_dict(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -186,9 +220,41 @@ def fp8_activations_per_token(module: torch.nn.Module, args):
     return ((x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale,)
 
 
-def activation_hook(scheme: dict | None):
-    """The run-time activation quantization a compressed-tensors scheme asks for, simulated, or None."""
-    if not scheme or not scheme.get("dynamic") or scheme.get("num_bits") != 8:
+def round_to_fp4(x: torch.Tensor) -> torch.Tensor:
+    """Each value to the nearest E2M1 value (x already within +-6); a tie goes to the larger magnitude."""
+    grid = torch.tensor(FP4_MAGNITUDES, device=x.device, dtype=x.dtype)
+    midpoints = (grid[1:] + grid[:-1]) / 2
+    return torch.sign(x) * grid[torch.bucketize(x.abs(), midpoints, right=True)]
+
+
+FP8_SMALLEST_SCALE = 0.125  # what a zero FP8 block scale is replaced by (float8 E4M3's epsilon), as the library does
+
+
+def nvfp4_activations(global_scale: torch.Tensor, group: int = 16):
+    """NVFP4 activations, as Blackwell's W4A4 kernels quantize a Linear's input at run time: per group of 16 values
+    a scale (largest magnitude / 6) is multiplied by the calibrated global scale and rounded to FP8 E4M3; each value
+    is divided by that scale over the global scale, rounded to FP4, and multiplied back."""
+
+    def hook(module: torch.nn.Module, args):
+        (x,) = args
+        groups = x.unflatten(-1, (x.shape[-1] // group, group))
+        largest = groups.abs().amax(dim=-1, keepdim=True)
+        scale = (largest / FP4_MAX * global_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+        scale = torch.where(scale == 0, torch.full_like(scale, FP8_SMALLEST_SCALE), scale) / global_scale
+        quantized = round_to_fp4((groups / scale).clamp(-FP4_MAX, FP4_MAX)) * scale
+        return (quantized.flatten(-2),)
+
+    return hook
+
+
+def activation_hook(scheme: dict | None, module_tensors: dict[str, torch.Tensor] | None = None):
+    """The run-time activation quantization a compressed-tensors scheme asks for, simulated, or None.
+    ``module_tensors``: the quantized Linear's own tensors (NVFP4 keeps each input's global scale there)."""
+    if not scheme or not scheme.get("dynamic"):
+        return None
+    if scheme.get("num_bits") == 4 and scheme.get("type") == "float" and scheme.get("strategy") == "tensor_group":
+        return nvfp4_activations(module_tensors["input_global_scale"].float(), scheme["group_size"])
+    if scheme.get("num_bits") != 8:
         return None
     return fp8_activations_per_token if scheme.get("type") == "float" else quantize_activations_per_token
 
@@ -309,6 +375,7 @@ def float_model_from_artifact(
     config_dict, sources = weight_sources(folder, device, dequantizers)
     quant = config_dict.pop("_quantization_config")
     quantized = config_dict.pop("_quantized_modules")
+    module_tensors = config_dict.pop("_module_tensors")
     config = AutoConfig.for_model(**{k: v for k, v in config_dict.items() if not k.startswith("_")})
     with init_empty_weights(include_buffers=False):  # parameters on meta: each is placed below
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
@@ -326,12 +393,12 @@ def float_model_from_artifact(
         _place(model, name, weight)
     activations = _activation_scheme(quant) if quant.get("quant_method") == "compressed-tensors" else None
     model.quantforge_unsimulated = 0  # quantized Linears whose runtime activation quantization is not simulated
-    hook = activation_hook(activations) if simulate_activations else None
-    if hook:
+    if simulate_activations and activations and activations.get("dynamic"):
         modules = dict(model.named_modules())
         for prefix in quantized:
-            if prefix in modules:
+            hook = activation_hook(activations, module_tensors.get(prefix))
+            if hook and prefix in modules:
                 modules[prefix].register_forward_pre_hook(hook)
-            else:  # an expert's projection, now a slice of a fused 3-D parameter: no module to hook
+            elif hook:  # an expert's projection, now a slice of a fused 3-D parameter: no module to hook
                 model.quantforge_unsimulated += 1
     return model.eval()

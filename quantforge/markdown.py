@@ -5,6 +5,8 @@ Reads only the card's JSON (see ``card.py``), so the HTML card renders the same 
 
 from __future__ import annotations
 
+from .gpus import GENERATION
+
 
 def bos_convention(bos_token_id: int | None) -> str:
     if bos_token_id is None:
@@ -152,6 +154,21 @@ def _device_cell(speed: dict) -> str:
     return f"{device} ({speed['device_name']})" if speed.get("device_name") else device
 
 
+def _fit_cell(entry: dict, gpu: str) -> str:
+    generation = GENERATION.get(gpu)
+    runs = entry.get("gpu_generations") or ()
+    weights_alone = entry.get("gpu_weight_only") or ()
+    if generation and runs and generation not in runs and generation not in weights_alone:
+        return f"does not run ({generation.capitalize()})"
+    fit = entry["memory_fit"][gpu]
+    cell = f"{'yes' if fit['fits'] else 'no'} ({fit['largest_context']:,})"
+    if not fit["fits"] and fit.get("fits_with_fp8_kv"):
+        cell += f"; yes with fp8 KV ({fit['largest_context_fp8_kv']:,})"
+    if generation in weights_alone:
+        cell += "; weights alone"
+    return cell
+
+
 def _fit_table(card: dict) -> list[str]:
     from .deploy import GPU_UTILIZATION, RUNTIME_OVERHEAD_GB
 
@@ -168,19 +185,14 @@ def _fit_table(card: dict) -> list[str]:
         f"({fitted[0]['memory_fit'][gpus[0]]['kv_bytes_per_token']:,} bytes per token) must fit in "
         f"{GPU_UTILIZATION:.0%} of the GPU's memory less {RUNTIME_OVERHEAD_GB:g} GB for activations and the "
         "runtime. Each cell: fits or not, and the largest context that fits; where only an fp8 KV cache "
-        "(vLLM's `--kv-cache-dtype fp8`) fits, the cell says so.",
+        "(vLLM's `--kv-cache-dtype fp8`) fits, the cell says so; where vLLM's kernels for the format do not run on "
+        "the GPU's generation, or run its weights alone, the cell says that instead or too.",
         "",
         "| format | " + " | ".join(gpus) + " |",
         "|---|" + "---|" * len(gpus),
     ]
     for entry in fitted:
-        cells = []
-        for gpu in gpus:
-            fit = entry["memory_fit"][gpu]
-            cell = f"{'yes' if fit['fits'] else 'no'} ({fit['largest_context']:,})"
-            if not fit["fits"] and fit.get("fits_with_fp8_kv"):
-                cell += f"; yes with fp8 KV ({fit['largest_context_fp8_kv']:,})"
-            cells.append(cell)
+        cells = [_fit_cell(entry, gpu) for gpu in gpus]
         lines.append(f"| {entry['key']} | " + " | ".join(cells) + " |")
     return lines
 

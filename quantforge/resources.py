@@ -88,9 +88,14 @@ FIXED_SECONDS = {  # start-up work that does not grow with the model: imports, c
 #     weight column by column: measured in proportion to the weights, not to the layers)
 #   + a token factor x calibration tokens x one token through the decoder layers at that rate (the embeddings and
 #     LM head take no part), times BF16_EMULATED_SLOWDOWN for a bf16 calibration on a CPU without bf16 instructions.
-QUANTIZE_START_SECONDS = {"gptq": 3.5, "awq": 10.0, "int8": 3.2, "fp8": 3.2}
-QUANTIZE_SOLVE_FACTORS = {"gptq": 6.3e4, "awq": 5.5e5, "int8": 5.2e4, "fp8": 5.2e3}
-QUANTIZE_TOKEN_FACTORS = {"gptq": 8.2, "awq": 184.0, "int8": 13.4, "fp8": 0.0}  # AWQ: 20 scales, each a forward
+# The FP4 formats' rounding is FP8's (the same QuantizationModifier, a scale per group instead of per row): their
+# start-up and solve factors are FP8's, not fitted on their own. NVFP4's calibration (its activations' global
+# scales, observed layer by layer in llm-compressor's sequential pipeline) takes INT8's token factor: on SmolLM2-135M
+# with 16 x 256 calibration tokens it took 326 s against 361 s planned (one run, the test suite sharing the cores).
+QUANTIZE_START_SECONDS = {"gptq": 3.5, "awq": 10.0, "int8": 3.2, "fp8": 3.2, "fp4": 3.2, "nvfp4": 3.2}
+QUANTIZE_SOLVE_FACTORS = {"gptq": 6.3e4, "awq": 5.5e5, "int8": 5.2e4, "fp8": 5.2e3, "fp4": 5.2e3, "nvfp4": 5.2e3}
+QUANTIZE_TOKEN_FACTORS = {"gptq": 8.2, "awq": 184.0, "int8": 13.4, "fp8": 0.0, "fp4": 0.0}  # AWQ: 20 scales
+QUANTIZE_TOKEN_FACTORS["nvfp4"] = QUANTIZE_TOKEN_FACTORS["int8"]
 # A calibration token's time in bf16 over float32 on a CPU without bf16 instructions, where torch emulates bf16
 # multiplies (GPTQModel's GPTQ on SmolLM2-135M, 2 threads; see device.quantizer_dtype).
 BF16_EMULATED_SLOWDOWN = 4.2
@@ -98,7 +103,7 @@ BF16_EMULATED_SLOWDOWN = 4.2
 # more: the model at 4 bytes and about one of the mapped bf16 checkpoint still resident (measured 5.0-5.1 bytes at
 # 135M and 0.5B). Plus what importing the library adds to a process that has imported transformers:
 # gptqmodel 0.18 GB (GPTQ and AWQ), llmcompressor 0.12 GB (INT8).
-QUANTIZE_BYTES_PER_WEIGHT = {"gptq": 2.0, "awq": 4.5, "int8": 2.0, "fp8": 2.4}
+QUANTIZE_BYTES_PER_WEIGHT = {"gptq": 2.0, "awq": 4.5, "int8": 2.0, "fp8": 2.4, "fp4": 2.4, "nvfp4": 2.4}
 FLOAT32_EXTRA_BYTES_PER_WEIGHT = 3.0
 # GPTQModel quantizing from its disk offload (a bf16 calibration): resident bytes a decoder weight, beside the
 # embedding tables in bf16 (GPTQ fitted on SmolLM2-135M and the 0.5B qwen2: 1.26 and 0.87; AWQ on SmolLM2 alone);
@@ -110,8 +115,11 @@ QUANTIZER_LIBRARY = {
     "awq": ("gptqmodel", 0.18 * GB),
     "int8": ("llmcompressor", 0.12 * GB),
     "fp8": ("llmcompressor", 0.12 * GB),
+    "fp4": ("llmcompressor", 0.12 * GB),
+    "nvfp4": ("llmcompressor", 0.12 * GB),
 }
-DATA_FREE_METHODS = frozenset({"fp8"})  # rounded to the nearest value: no calibration activations, no Hessians
+DATA_FREE_METHODS = frozenset({"fp8", "fp4"})  # rounded to the nearest value: no calibration activations, no Hessians
+NO_HESSIAN_METHODS = DATA_FREE_METHODS | {"nvfp4"}  # NVFP4 calibrates its activations' scales, then rounds
 # Each format's quantizer runs in a child process (quantize_process) while the build process waits beside it
 # holding its libraries and tokenizer: the host holds both. llama.cpp's quantizer child is Python, numpy and
 # llama-cpp-python's libraries before the file it maps (measured: 0.15 GB with a 30 MB tiny model's F16 mapped).
@@ -396,7 +404,9 @@ def _quantize_held(size: ModelSize, calibration_tokens: int, method: str, dtype:
     activations = calibration_tokens * size.hidden_size * 4 * 4
     hessians = 4 * size.intermediate_size**2 * 4
     if method in DATA_FREE_METHODS:
-        activations = hessians = 0
+        activations = 0
+    if method in NO_HESSIAN_METHODS:
+        hessians = 0
     return int(QUANTIZER_LIBRARY[method][1] + _quantizer_weight_bytes(size, method, dtype)) + activations + hessians
 
 
@@ -661,7 +671,9 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
 
 def _torch_method(key: str) -> str:
     """The torch quantizer whose costs a format's key names (issue 40 moves these into the backends)."""
-    return next((m for m in ("int8", "awq", "fp8") if key.startswith(m)), "gptq")
+    if key.startswith(("nvfp4-a16", "mxfp4")):
+        return "fp4"
+    return next((m for m in ("int8", "awq", "fp8", "nvfp4") if key.startswith(m)), "gptq")
 
 
 def _child_stage(

@@ -273,3 +273,57 @@ def kl_against_the_serving_library(folder: Path, windows_file: Path) -> tuple[np
     p, q = torch.log_softmax(theirs, dim=-1), torch.log_softmax(ours, dim=-1)
     what = f"{'weights only' if weights_only else 'as served'}, the library computing in {theirs_model.dtype}"
     return (p.exp() * (p - q)).sum(-1).numpy(), what
+
+
+def fp4_against_the_library(folder: Path, windows_file: Path) -> dict:
+    """quantforge's FP4 (NVFP4, MXFP4) weights and simulated activations against compressed-tensors' own, op by op.
+
+    compressed-tensors decompresses FP4 checkpoints into bfloat16 weights only (a float32 load fails in its forward),
+    so a whole-model comparison would mostly measure bfloat16 arithmetic. Instead, for every quantized Linear: the
+    library's decompressed weight against quantforge's float32 one rounded to bfloat16, and the library's run-time
+    activation quantization (``forward_quantize``, what its emulation runs) against quantforge's simulation, both
+    on the float32 input that Linear receives in quantforge's evaluation of the run's first window."""
+    import functools
+
+    import torch
+    from compressed_tensors.quantization.lifecycle.forward import forward_quantize
+    from transformers import AutoModelForCausalLM
+
+    from quantforge.dequant import float_model_from_artifact, weight_sources
+
+    window = torch.from_numpy(np.load(windows_file)).long()[0]
+    library = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    ours = float_model_from_artifact(folder).eval()
+    _, sources = weight_sources(folder)
+    seen: dict[str, list] = {}
+
+    def keep(name, position, module, args):
+        seen.setdefault(name, [None, None])[position] = args[0].detach().clone()
+
+    names = [
+        name
+        for name, module in ours.named_modules()
+        if f"{name}.weight" in sources and callable(sources[f"{name}.weight"])
+    ]
+    for name in names:
+        module = ours.get_submodule(name)
+        module.register_forward_pre_hook(functools.partial(keep, name, 0), prepend=True)  # before the simulation
+        module.register_forward_pre_hook(functools.partial(keep, name, 1))  # after it
+    with torch.inference_mode():
+        ours(input_ids=window[None])
+        library(input_ids=window[None])  # the library decompresses each weight on its first forward
+    weights_differing = activations_differing = values = 0
+    for name in names:
+        theirs = library.get_submodule(name)
+        weights_differing += int((sources[f"{name}.weight"]().to(torch.bfloat16) != theirs.weight).sum())
+        raw, simulated = seen[name]
+        scheme = theirs.quantization_scheme.input_activations
+        expected = forward_quantize(theirs, raw, "input", scheme) if scheme is not None else raw
+        activations_differing += int((expected != simulated).sum())
+        values += raw.numel()
+    return {
+        "linears": len(names),
+        "weights_differing": weights_differing,
+        "activations_differing": activations_differing,
+        "activation_values": values,
+    }

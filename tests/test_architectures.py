@@ -26,12 +26,13 @@ ARCH_ARGS = [
     *("--calibration", str(C4), "--calib-samples", "8", "--calib-seqlen", "64"),
 ]
 # Torch formats per architecture, both libraries covered, AWQ on two (with the tiny llama's in test_torch_formats,
-# three); Gemma 3 also asks GPTQModel, which must refuse it.
+# three), NVFP4 and MXFP4 on Qwen3 (with the tiny llama's in test_fp4, two); Gemma 3 also asks GPTQModel, which must
+# refuse it.
 TORCH_FORMAT = {
     "llama": "gptq-int4",
     "mistral": "int8",
     "qwen2": "gptq-int4,awq",
-    "qwen3": "int8",
+    "qwen3": "int8,nvfp4,mxfp4-a16",
     "gemma3": "int8,gptq-int4",
     "phi3": "gptq-int4",
     "qwen2_moe": "int8",
@@ -48,6 +49,8 @@ LIMITS = {
     "gguf-q4km": (20.0, 0.75),
     "gptq-int4": (14.0, 0.9),
     "awq": (26.0, 0.7),  # 6.5% and 0.165 at most (qwen2; olmo2 3.7% and 0.070, the tiny llama 1.8% and 0.142)
+    "nvfp4": (16.0, 1.0),  # qwen3 2.2% and 0.194 (the tiny llama 3.8% and 0.256)
+    "mxfp4-a16": (16.0, 0.75),  # qwen3 4.0% and 0.148 (the tiny llama 3.7% and 0.185)
 }
 ADDS_BOS = {"mistral", "gemma3"}  # their (SentencePiece) tokenizers put BOS in front of every text
 
@@ -161,6 +164,7 @@ def test_compressed_tensors_artifact_loads_in_transformers(kind, arch_run):
 # saves its gate_up_proj as gate_proj and up_proj, which transformers 5.17 does not fuse back (it leaves gate_up_proj
 # uninitialized and fails in the forward; vLLM fuses them when it loads). The card's figures for those rest on
 # quantforge's dequantization alone.
+FP4 = {"nvfp4", "nvfp4-a16", "mxfp4-a16"}
 NOT_LOADABLE_HERE = {("qwen2_moe", "int8"), ("gemma3", "gptq-int4"), ("phi3", "gptq-int4")}
 SERVED = [(kind, key) for kind, keys in TORCH_FORMAT.items() for key in keys.split(",")]
 SERVED = [pair for pair in SERVED if pair not in NOT_LOADABLE_HERE]
@@ -174,9 +178,14 @@ def test_the_card_measures_what_the_serving_library_computes(kind, key, arch_run
     5.1e-4 (qwen2) and 1.0e-4 (olmo2); AWQ 2.9e-4 (qwen2) and 6.7e-5 (olmo2): GPTQModel dequantizes in float16 (its
     weights differ from quantforge's float32 ones by at most 3.9e-4 relative, float16's rounding), as GPU kernels do
     in the model's half precision."""
-    from conftest import kl_against_the_serving_library
+    from conftest import fp4_against_the_library, kl_against_the_serving_library
 
     _, out = arch_run(kind)
+    if key in FP4:  # op by op: the library computes FP4 files in bfloat16 only (conftest.fp4_against_the_library)
+        found = fp4_against_the_library(out / "artifacts" / key, out / "work" / "eval-windows.npy")
+        print(f"{kind} {key}: {found}")
+        assert found["linears"] > 0 and found["weights_differing"] == found["activations_differing"] == 0, found
+        return
     kl, what = kl_against_the_serving_library(out / "artifacts" / key, out / "work" / "eval-windows.npy")
     print(f"{kind} {key} ({what}): KL max {kl.max():.2e} mean {kl.mean():.2e}")
     assert kl.max() < 1e-3, (kind, key, kl.max())

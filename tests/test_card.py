@@ -167,6 +167,14 @@ def test_a_gpu_generation_runs_only_the_formats_its_kernels_run():
     ampere = decide(candidates[1:], Targets(), gpu=("A100", "ampere"))
     assert ampere.recommended == "fp8" and "runs with its weights alone" in ampere.verdicts[0].reason
     assert decide(candidates[1:], Targets(), gpu=("T4", "turing")).recommended == "fp8"  # weight-only Marlin there too
+    # FP4: NVFP4 W4A4 runs as made on Blackwell alone, its weights alone from Ampere; none of it on Turing
+    fp4 = [candidate("nvfp4", 4.5, 0.03), candidate("mxfp4-a16", 4.25, 0.08)]
+    on_b200 = decide(fp4, Targets(), gpu=("B200", "blackwell"))
+    assert on_b200.recommended == "nvfp4" and "weights alone" not in on_b200.verdicts[0].reason
+    on_h100 = decide(fp4, Targets(), gpu=("H100", "hopper"))
+    assert on_h100.recommended == "nvfp4" and "runs with its weights alone" in on_h100.verdicts[0].reason
+    on_t4 = {v.key: v for v in decide(fp4, Targets(), gpu=("T4", "turing")).verdicts}
+    assert all(v.outcome == "excluded" and "Turing" in v.reason for v in on_t4.values())
 
 
 def test_gpu_b200_excludes_the_int8_file_of_a_real_run(mixed_run):

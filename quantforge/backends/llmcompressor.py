@@ -1,9 +1,14 @@
-"""INT8 W8A8 (SmoothQuant + GPTQ) and FP8 W8A8 through llm-compressor, as the compressed-tensors checkpoints vLLM
-serves.
+"""INT8 W8A8 (SmoothQuant + GPTQ), FP8 W8A8, NVFP4 and MXFP4 through llm-compressor, as the compressed-tensors
+checkpoints vLLM serves.
 
 ``int8``: weights int8 per output channel (GPTQ), activations int8 per token, quantized dynamically at run time;
 SmoothQuant first moves activation outliers into the weights. The same library also writes GPTQ W4A16/W8A16 as
 compressed-tensors (``--backend llmcompressor`` for gptq-int4/gptq-int8), the layout vLLM prefers.
+
+``nvfp4``: FP4 (E2M1) weights in groups of 16 with an FP8 scale each under a per-tensor global scale, and the
+same for activations at run time (their global scale calibrated on the run's calibration set); Blackwell's 4-bit
+format. ``nvfp4-a16`` is its weights alone (no calibration), ``mxfp4-a16`` the OCP MX variant's weights alone
+(groups of 32, power-of-two scales). Both are rounded to nearest (llm-compressor's QuantizationModifier), not GPTQ.
 
 Measured facts (llm-compressor 0.14.0.1, CPU): ``oneshot`` runs on CPU; its AWQModifier does not (it needs an
 accelerator), so AWQ comes from GPTQModel; SmoothQuant lives in ``modifiers.transform.smoothquant`` in 0.14.
@@ -21,6 +26,9 @@ from .hf import VLLM_RUNTIMES, HFFolderBackend, drop_load_time_keys, load_calibr
 # Blackwell); FP8 W8A8 on Ada, Hopper and Blackwell, and on Turing/Ampere as weight-only FP8 (Marlin).
 INT8_GENERATIONS = ("turing", "ampere", "ada", "hopper")
 FP8_GENERATIONS = ("ada", "hopper", "blackwell")
+# FP4 in vLLM: W4A4 NVFP4 on Blackwell's FP4 tensor cores; from Ampere on, its FP4 Marlin kernel runs FP4 weights
+# alone (NVFP4 W4A4 checkpoints too, their activations then left in 16 bits).
+FP4_WEIGHT_GENERATIONS = ("ampere", "ada", "hopper", "blackwell")
 FORMATS = {
     "int8": Format(
         "int8",
@@ -51,9 +59,53 @@ FORMATS = {
         gpu_generations=FP8_GENERATIONS,
         gpu_weight_only=("turing", "ampere"),
     ),
+    # 4 bits and an FP8 scale per 16 weights (4.5 bits), activations likewise at run time
+    "nvfp4": Format(
+        "nvfp4",
+        "hf",
+        "NVFP4 W4A4",
+        VLLM_RUNTIMES,
+        4.5,
+        "FP4 weights and activations (vLLM on Blackwell; weights alone on Ampere to Hopper)",
+        "NVFP4",
+        gpu_generations=("blackwell",),
+        gpu_weight_only=("ampere", "ada", "hopper"),
+    ),
+    "nvfp4-a16": Format(
+        "nvfp4-a16",
+        "hf",
+        "NVFP4 W4A16",
+        VLLM_RUNTIMES,
+        4.5,
+        "FP4 weights, 16-bit activations (vLLM, Ampere to Blackwell)",
+        "NVFP4A16",
+        gpu_generations=FP4_WEIGHT_GENERATIONS,
+    ),
+    # 4 bits and a power-of-two scale per 32 weights (4.25 bits)
+    "mxfp4-a16": Format(
+        "mxfp4-a16",
+        "hf",
+        "MXFP4 W4A16",
+        VLLM_RUNTIMES,
+        4.25,
+        "MX FP4 weights, 16-bit activations (vLLM, Ampere to Blackwell)",
+        "MXFP4A16",
+        gpu_generations=FP4_WEIGHT_GENERATIONS,
+    ),
 }
-SCHEMES = {"int8": "W8A8", "gptq-int4": "W4A16", "gptq-int8": "W8A16", "fp8": "FP8_DYNAMIC"}
-DATA_FREE = frozenset({"fp8"})
+SCHEMES = {
+    "int8": "W8A8",
+    "gptq-int4": "W4A16",
+    "gptq-int8": "W8A16",
+    "fp8": "FP8_DYNAMIC",
+    "nvfp4": "NVFP4",
+    "nvfp4-a16": "NVFP4A16",
+    "mxfp4-a16": "MXFP4A16",
+}
+DATA_FREE = frozenset({"fp8", "nvfp4-a16", "mxfp4-a16"})
+ROUND_TO_NEAREST = DATA_FREE | {"nvfp4"}  # QuantizationModifier's scheme alone, no GPTQ
+# The group each FP4 scheme fixes (it is part of the format: vLLM's kernels take no other)
+FP4_GROUP = {"nvfp4": 16, "nvfp4-a16": 16, "mxfp4-a16": 32}
 # A mixture of experts' routers stay in 16 bits (llm-compressor's and vLLM's FP8 MoE examples leave them out: they
 # are small, and a quantized router changes which experts run).
 ROUTERS = ["re:.*mlp.gate$", "re:.*shared_expert_gate$"]
@@ -115,6 +167,8 @@ class LLMCompressorBackend(HFFolderBackend):
     def group_size(self, source, fmt, settings: dict):
         if fmt.name in ("int8", "fp8"):
             return None, None  # per output channel: no groups
+        if fmt.name in FP4_GROUP:
+            return FP4_GROUP[fmt.name], None
         return super().group_size(source, fmt, settings)
 
     def quantize(self, job: QuantizeJob) -> dict:
@@ -133,6 +187,8 @@ class LLMCompressorBackend(HFFolderBackend):
                 "attention_mask": [[1] * calibration.shape[1]] * calibration.shape[0],
             }
         )
+        if job.format.name in ROUND_TO_NEAREST:
+            return self.quantize_round_to_nearest(job, dataset, calibration.shape)
         group_size, note = self.group_size(job.source, job.format, job.settings)
         scheme = SCHEMES[job.format.name]
         recipe = []
@@ -182,12 +238,33 @@ class LLMCompressorBackend(HFFolderBackend):
         return facts
 
     def quantize_data_free(self, job: QuantizeJob) -> dict:
-        """FP8 dynamic: weights rounded to FP8 per output channel, no calibration data."""
+        """FP8 dynamic, NVFP4A16, MXFP4A16: weights rounded to nearest, no calibration data."""
+        self.compress(job, [self.round_to_nearest(job)])
+        return {"library": "llmcompressor", "scheme": SCHEMES[job.format.name], "calibration": "none (data-free)"}
+
+    def quantize_round_to_nearest(self, job: QuantizeJob, dataset, shape) -> dict:
+        """NVFP4 W4A4: weights rounded to nearest; the calibration set fixes each activation's global scale."""
+        self.compress(
+            job,
+            [self.round_to_nearest(job)],
+            dataset=dataset,
+            max_seq_length=shape[1],
+            num_calibration_samples=shape[0],
+        )
+        return {
+            "library": "llmcompressor",
+            "scheme": SCHEMES[job.format.name],
+            "calibration_samples": int(shape[0]),
+            "calibration_seqlen": int(shape[1]),
+            "group_size": FP4_GROUP[job.format.name],
+            "rounding": "to nearest (no GPTQ)",
+        }
+
+    def round_to_nearest(self, job: QuantizeJob):
         from llmcompressor.modifiers.quantization import QuantizationModifier
 
         ignore = ["lm_head", *ROUTERS]
-        self.compress(job, [QuantizationModifier(targets="Linear", scheme=SCHEMES[job.format.name], ignore=ignore)])
-        return {"library": "llmcompressor", "scheme": SCHEMES[job.format.name], "calibration": "none (data-free)"}
+        return QuantizationModifier(targets="Linear", scheme=SCHEMES[job.format.name], ignore=ignore)
 
     def compress(self, job: QuantizeJob, recipe: list, **calibration) -> None:
         """Load the source in bf16, run llm-compressor's oneshot with ``recipe``, save the compressed folder."""
