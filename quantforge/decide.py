@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from .gpus import kernels_run
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -230,7 +232,7 @@ def _miss_ratio(check: dict, target: Target) -> float:
 
 
 def _weight_only_note(candidate: Candidate, gpu: tuple[str, str] | None) -> str:
-    if gpu is None or gpu[1] not in candidate.gpu_weight_only:
+    if gpu is None or kernels_run(gpu[1], candidate.gpu_generations, candidate.gpu_weight_only) != "weights alone":
         return ""
     return (
         f"; on {gpu[0]} it runs with its weights alone (activations unquantized), so the figures, measured with "
@@ -240,10 +242,10 @@ def _weight_only_note(candidate: Candidate, gpu: tuple[str, str] | None) -> str:
 
 def _gpu_exclusion(candidate: Candidate, gpu: tuple[str, str] | None) -> str | None:
     """Why the candidate cannot run on the target GPU (its name, generation), or None."""
-    if gpu is None or not candidate.gpu_generations:
+    if gpu is None:
         return None
     name, generation = gpu
-    if generation in candidate.gpu_generations or generation in candidate.gpu_weight_only:
+    if kernels_run(generation, candidate.gpu_generations, candidate.gpu_weight_only) != "no":
         return None
     runs_on = ", ".join(g.capitalize() for g in candidate.gpu_generations)
     return f"does not run on {name} ({generation.capitalize()}): its kernels run on {runs_on} GPUs"

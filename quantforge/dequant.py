@@ -107,11 +107,12 @@ def dequantize_fp4(tensors: dict[str, torch.Tensor], prefix: str) -> torch.Tenso
 
 
 def dequantize_compressed(tensors: dict[str, torch.Tensor], prefix: str, config: dict) -> torch.Tensor:
-    if _weights_scheme(config).get("type") == "float" and _weights_scheme(config).get("num_bits") == 4:
+    weights = _weights_scheme(config)
+    if weights.get("type") == "float" and weights.get("num_bits") == 4:
         return dequantize_fp4(tensors, prefix)
     scale = tensors[f"{prefix}.weight_scale"].float()
     if f"{prefix}.weight_packed" in tensors:
-        bits = _weights_scheme(config)["num_bits"]
+        bits = weights["num_bits"]
         packed = tensors[f"{prefix}.weight_packed"]
         rows, cols = (int(x) for x in tensors[f"{prefix}.weight_shape"].tolist())
         values = unpack_cols(packed, bits)[:, :cols].float() - (1 << (bits - 1))
@@ -227,7 +228,8 @@ def round_to_fp4(x: torch.Tensor) -> torch.Tensor:
     return torch.sign(x) * grid[torch.bucketize(x.abs(), midpoints, right=True)]
 
 
-FP8_SMALLEST_SCALE = 0.125  # what a zero FP8 block scale is replaced by (float8 E4M3's epsilon), as the library does
+# What a zero FP8 block scale is replaced by, as the library does: float8 E4M3's epsilon (0.125)
+FP8_SMALLEST_SCALE = torch.finfo(torch.float8_e4m3fn).eps
 
 
 def nvfp4_activations(global_scale: torch.Tensor, group: int = 16):
@@ -253,6 +255,8 @@ def activation_hook(scheme: dict | None, module_tensors: dict[str, torch.Tensor]
     if not scheme or not scheme.get("dynamic"):
         return None
     if scheme.get("num_bits") == 4 and scheme.get("type") == "float" and scheme.get("strategy") == "tensor_group":
+        if "input_global_scale" not in (module_tensors or {}):
+            raise QuantforgeError("an NVFP4 W4A4 checkpoint lacks a Linear's input_global_scale: remake the file")
         return nvfp4_activations(module_tensors["input_global_scale"].float(), scheme["group_size"])
     if scheme.get("num_bits") != 8:
         return None
@@ -393,7 +397,7 @@ def float_model_from_artifact(
         _place(model, name, weight)
     activations = _activation_scheme(quant) if quant.get("quant_method") == "compressed-tensors" else None
     model.quantforge_unsimulated = 0  # quantized Linears whose runtime activation quantization is not simulated
-    if simulate_activations and activations and activations.get("dynamic"):
+    if simulate_activations and activations:
         modules = dict(model.named_modules())
         for prefix in quantized:
             hook = activation_hook(activations, module_tensors.get(prefix))

@@ -37,6 +37,17 @@ GENERATION = {
 }
 
 
+def kernels_run(generation: str | None, runs: tuple[str, ...], weights_alone: tuple[str, ...]) -> str:
+    """How vLLM's kernels run a format on a GPU of ``generation``: "as made", "weights alone" or "no". A format
+    that names no generations runs everywhere; a GPU of unknown generation (a bare memory size) is taken to run it.
+    ``runs`` and ``weights_alone`` are the format's ``gpu_generations`` and ``gpu_weight_only``."""
+    if generation in weights_alone:
+        return "weights alone"
+    if not runs or generation is None or generation in runs:
+        return "as made"
+    return "no"
+
+
 def roofline(weight_bytes: int, bandwidth_gbs: float) -> float:
     """Upper bound on decode tokens/s when every weight is read once per token."""
     return bandwidth_gbs * 1e9 / weight_bytes

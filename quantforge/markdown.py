@@ -5,7 +5,7 @@ Reads only the card's JSON (see ``card.py``), so the HTML card renders the same 
 
 from __future__ import annotations
 
-from .gpus import GENERATION
+from .gpus import GENERATION, kernels_run
 
 
 def bos_convention(bos_token_id: int | None) -> str:
@@ -156,15 +156,14 @@ def _device_cell(speed: dict) -> str:
 
 def _fit_cell(entry: dict, gpu: str) -> str:
     generation = GENERATION.get(gpu)
-    runs = entry.get("gpu_generations") or ()
-    weights_alone = entry.get("gpu_weight_only") or ()
-    if generation and runs and generation not in runs and generation not in weights_alone:
+    how = kernels_run(generation, tuple(entry.get("gpu_generations") or ()), tuple(entry.get("gpu_weight_only") or ()))
+    if how == "no":
         return f"does not run ({generation.capitalize()})"
     fit = entry["memory_fit"][gpu]
     cell = f"{'yes' if fit['fits'] else 'no'} ({fit['largest_context']:,})"
     if not fit["fits"] and fit.get("fits_with_fp8_kv"):
         cell += f"; yes with fp8 KV ({fit['largest_context_fp8_kv']:,})"
-    if generation in weights_alone:
+    if how == "weights alone":
         cell += "; weights alone"
     return cell
 

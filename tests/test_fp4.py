@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import FAST_EVAL, SHARED_DATA, fp4_against_the_library, quantforge_cli, read_json
+from conftest import FAST_EVAL, SHARED_DATA, build_run, fp4_against_the_library, read_json
 from safetensors import safe_open
 
 FP4_FORMATS = ("nvfp4", "nvfp4-a16", "mxfp4-a16")
@@ -29,10 +29,7 @@ CALIBRATION = [
 @pytest.fixture(scope="module")
 def fp4_run(tiny_llama, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fp4") / "run"
-    args = ["--formats", ",".join(FP4_FORMATS), *FAST_EVAL, *CALIBRATION]
-    result = quantforge_cli("build", str(tiny_llama), "--out", str(out), *args)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
+    return build_run(tiny_llama, out, "--formats", ",".join(FP4_FORMATS), *FAST_EVAL, *CALIBRATION)
 
 
 @pytest.mark.parametrize(

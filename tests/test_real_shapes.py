@@ -33,13 +33,14 @@ GGUF_FORMAT = "gguf-q8_0"
 # evaluation do not switch on the architecture; leaving it out keeps CI's run near its 60 minutes.
 TORCH_FORMAT = {"qwen2.5-7b": "fp8", "llama-3.1-8b": "fp8", "qwen1.5-moe-a2.7b": "fp8"} | {
     "smollm2-135m": "gptq-int4",
-    "qwen2.5-0.5b": "int8",
+    "qwen2.5-0.5b": "int8,nvfp4",  # NVFP4 W4A4: its calibration and activation simulation at real widths
 }
 # Random weights give nearly flat distributions, on which quantization error still shows: mean KL measured on these
-# shapes, Q8_0 at most 0.0012, FP8 0.002-0.022, INT8 (0.5B) 0.0009, GPTQ int4 (SmolLM2) 0.0072, Q4_K_M 0.11-0.12
+# shapes, Q8_0 at most 0.0012, FP8 0.002-0.022, INT8 (0.5B) 0.0009, NVFP4 W4A4 (0.5B) 0.0325, GPTQ int4 (SmolLM2)
+# 0.0072, Q4_K_M 0.11-0.12
 # (scripts/bench_scale). Limits about four times those: a broken format (a wrong scale, a transposed weight) is far
 # above. The lower end allows the KL estimate's own noise (see below).
-KLD_LIMIT = {"gguf-q4km": 0.5, "gguf-q8_0": 0.005, "fp8": 0.08, "int8": 0.005, "gptq-int4": 0.03}
+KLD_LIMIT = {"gguf-q4km": 0.5, "gguf-q8_0": 0.005, "fp8": 0.08, "int8": 0.005, "gptq-int4": 0.03, "nvfp4": 0.13}
 # Measured peak over planned peak, per stage, on these shapes (2 cores, 24 GB): at most 0.98 (dense shapes) and
 # 1.10 (the MoE's reference); the plan may be generous, but must not be short by more than this.
 MEMORY_RATIO_LIMIT = 1.25
@@ -91,7 +92,8 @@ def test_real_shape_builds_through_every_stage_within_its_plan(name, tmp_path):
 
     model = write_random_model(name, tmp_path / name)
     out = tmp_path / "run"
-    formats = ",".join([GGUF_FORMAT, *([TORCH_FORMAT[name]] if name in TORCH_FORMAT else [])])
+    torch_formats = TORCH_FORMAT[name].split(",") if name in TORCH_FORMAT else []
+    formats = ",".join([GGUF_FORMAT, *torch_formats])
     try:
         result = quantforge_cli("build", str(model), "--out", str(out), "--formats", formats, *SHAPE_ARGS)
         assert result.returncode == 0, result.stderr[-3000:]
@@ -112,8 +114,8 @@ def test_real_shape_builds_through_every_stage_within_its_plan(name, tmp_path):
             assert metrics["tokens_scored"] == card["reference"]["tokens_scored"]
         # llama.cpp's probe runs here; the torch formats' runtime is vLLM, on a GPU, and says so
         assert entries[GGUF_FORMAT]["speed"]["measured"], entries[GGUF_FORMAT]["speed"]
-        if name in TORCH_FORMAT:
-            torch_speed = entries[TORCH_FORMAT[name]]["speed"]
+        for key in torch_formats:
+            torch_speed = entries[key]["speed"]
             assert torch_speed["measured"] or "vLLM" in torch_speed["reason"], torch_speed
         assert card["reference"]["speed"]["measured"]
         manifest = read_json(out / "run.json")

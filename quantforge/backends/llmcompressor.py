@@ -179,7 +179,7 @@ class LLMCompressorBackend(HFFolderBackend):
 
         set_threads(job.threads)
         if job.format.name in DATA_FREE:
-            return self.quantize_data_free(job)
+            return self.quantize_round_to_nearest(job)
         calibration = load_calibration(job.calibration)
         dataset = Dataset.from_dict(
             {
@@ -187,7 +187,7 @@ class LLMCompressorBackend(HFFolderBackend):
                 "attention_mask": [[1] * calibration.shape[1]] * calibration.shape[0],
             }
         )
-        if job.format.name in ROUND_TO_NEAREST:
+        if job.format.name in ROUND_TO_NEAREST:  # NVFP4: the calibration fixes its activations' global scales
             return self.quantize_round_to_nearest(job, dataset, calibration.shape)
         group_size, note = self.group_size(job.source, job.format, job.settings)
         scheme = SCHEMES[job.format.name]
@@ -237,34 +237,22 @@ class LLMCompressorBackend(HFFolderBackend):
             facts["group_size_note"] = note
         return facts
 
-    def quantize_data_free(self, job: QuantizeJob) -> dict:
-        """FP8 dynamic, NVFP4A16, MXFP4A16: weights rounded to nearest, no calibration data."""
-        self.compress(job, [self.round_to_nearest(job)])
-        return {"library": "llmcompressor", "scheme": SCHEMES[job.format.name], "calibration": "none (data-free)"}
-
-    def quantize_round_to_nearest(self, job: QuantizeJob, dataset, shape) -> dict:
-        """NVFP4 W4A4: weights rounded to nearest; the calibration set fixes each activation's global scale."""
-        self.compress(
-            job,
-            [self.round_to_nearest(job)],
-            dataset=dataset,
-            max_seq_length=shape[1],
-            num_calibration_samples=shape[0],
-        )
-        return {
-            "library": "llmcompressor",
-            "scheme": SCHEMES[job.format.name],
-            "calibration_samples": int(shape[0]),
-            "calibration_seqlen": int(shape[1]),
-            "group_size": FP4_GROUP[job.format.name],
-            "rounding": "to nearest (no GPTQ)",
-        }
-
-    def round_to_nearest(self, job: QuantizeJob):
+    def quantize_round_to_nearest(self, job: QuantizeJob, dataset=None, shape=None) -> dict:
+        """FP8 dynamic, NVFP4A16, MXFP4A16 (no calibration data) and NVFP4 W4A4 (the calibration set fixes each
+        activation's global scale): llm-compressor's QuantizationModifier, weights rounded to nearest."""
         from llmcompressor.modifiers.quantization import QuantizationModifier
 
-        ignore = ["lm_head", *ROUTERS]
-        return QuantizationModifier(targets="Linear", scheme=SCHEMES[job.format.name], ignore=ignore)
+        scheme = SCHEMES[job.format.name]
+        modifier = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head", *ROUTERS])
+        facts = {"library": "llmcompressor", "scheme": scheme}
+        if job.format.name in FP4_GROUP:
+            facts |= {"group_size": FP4_GROUP[job.format.name], "rounding": "to nearest (no GPTQ)"}
+        if dataset is None:
+            self.compress(job, [modifier])
+            return facts | {"calibration": "none (data-free)"}
+        calibration = {"max_seq_length": int(shape[1]), "num_calibration_samples": int(shape[0])}
+        self.compress(job, [modifier], dataset=dataset, **calibration)
+        return facts | {"calibration_samples": int(shape[0]), "calibration_seqlen": int(shape[1])}
 
     def compress(self, job: QuantizeJob, recipe: list, **calibration) -> None:
         """Load the source in bf16, run llm-compressor's oneshot with ``recipe``, save the compressed folder."""
