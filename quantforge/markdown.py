@@ -281,7 +281,8 @@ def render_markdown(card: dict) -> str:
         "- KL divergence (reference || artifact) per token: exact over the reference's 64 most likely tokens, plus "
         "an unbiased estimate over the rest from 64 tokens drawn from it (fixed seed).",
         "- Every artifact was loaded from disk: GGUF files in llama.cpp (flash attention off), HF-folder formats "
-        "(GPTQ, AWQ, INT8) dequantized in torch with their runtime activation quantization simulated; the reference "
+        "(GPTQ, AWQ, INT8, FP8, FP4) dequantized in torch with their runtime activation quantization simulated, MLX "
+        "folders in mlx with float32 activations; the reference "
         "is the float model in transformers. Torch arithmetic is float32 throughout, over weights kept as stored "
         "(bf16, or packed) and widened one module at a time: the same logits as a float32 copy, bit for bit.",
         "- Bits per weight: tensor bytes in the artifact x 8 / parameters of the unquantized model.",
@@ -305,7 +306,9 @@ def render_markdown(card: dict) -> str:
         if quantize.get("group_size_note"):
             lines.append(f"- {entry['key']}: {quantize['group_size_note']} (--group-size auto).")
         if quantize.get("library"):
-            lines.append(f"- {entry['key']}: quantized with {quantize['library']}; evaluated dequantized from disk.")
+            how = (entry.get("how") or {}).get("runtime")
+            evaluated = f"evaluated from disk in {how}" if how else "not evaluated"
+            lines.append(f"- {entry['key']}: quantized with {quantize['library']}; {evaluated}.")
         if quantize.get("fallback_tensors"):
             lines.append(
                 f"- {entry['key']}: llama.cpp fell back to another type for {quantize['fallback_tensors']} tensors "

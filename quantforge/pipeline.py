@@ -1155,7 +1155,7 @@ def resource_plan(plan: Plan, facts: dict, host) -> dict:
     from .resources import ModelSize, PlanInputs, make_resource_plan
 
     inputs = PlanInputs(
-        formats=[(c.key, c.format.family, c.format.nominal_bits) for c in plan.choices],
+        formats=[(c.key, c.backend.cost_model(c.format), c.format.nominal_bits) for c in plan.choices],
         context=plan.eval.context,
         windows=plan.eval.windows,
         first_scored=plan.eval.first_scored,

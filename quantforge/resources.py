@@ -67,6 +67,9 @@ TIME_FACTORS = {
     "evaluate/gguf-by-gemm": 2.6,
     "evaluate/torch": 2.5,  # dequantized per module, every window (estimate)
     "tasks": 1.8,
+    # mlx on a Linux CPU, float32 (mlxlm.MLXRunner): its wheel's reference BLAS runs about 2 GFLOP/s against torch's
+    # 180 here; the tiny llama 96 and SmolLM2-135M 70-100 times the GEMM time (a Mac's GPU is not priced)
+    "evaluate/mlx": 90.0,
 }
 FIXED_SECONDS = {  # start-up work that does not grow with the model: imports, child processes, tokenizers
     "fetch": 0.5,
@@ -131,8 +134,16 @@ TORCH_QUANTIZER_PROCESS_SECONDS = 4.8
 # it sends: the child's libraries before any model, and the seconds it takes to start. Measured here: llama.cpp's
 # (Python, numpy, llama-cpp-python) 41-43 MB and 0.2-0.35 s; transformers' (torch and the slim transformers import)
 # 0.44 GB and about 3.2 s with a tiny model.
-RUNTIME_PROCESS_BYTES = {"llama.cpp": 0.05 * GB, "transformers": 0.44 * GB}
-RUNTIME_PROCESS_SECONDS = {"llama.cpp": 0.3, "transformers": 3.2}
+# mlx's (mlx-lm imports transformers): 0.57 GB and 6.4 s, measured with the tiny llama.
+RUNTIME_PROCESS_BYTES = {"llama.cpp": 0.05 * GB, "transformers": 0.44 * GB, "mlx": 0.57 * GB}
+RUNTIME_PROCESS_SECONDS = {"llama.cpp": 0.3, "transformers": 3.2, "mlx": 6.4}
+# mlx-lm's converter (mlx-4bit, mlx-8bit) in its child: start-up and seconds per GB of checkpoint (the tiny llama
+# and SmolLM2-135M: 7-9 s each, start-up dominating), and its resident bytes per checkpoint byte beside the folder
+# it writes (it maps the checkpoint and quantizes lazily, shard by shard: SmolLM2 0.13-0.17, taken as 0.3). Only
+# measured up to 270 MB checkpoints.
+MLX_CONVERT_SECONDS = 8.0
+MLX_CONVERT_SECONDS_PER_GB = 10.0
+MLX_CONVERT_BYTES_PER_STORED_BYTE = 0.3
 # GPU memory that no allocator counts. Every process that computes on a GPU holds a CUDA context of its own: about
 # 0.3-0.43 GB with lazy module loading (CUDA >= 11.7; PyTorch's and other projects' published measurements), plus
 # cuBLAS's handles, workspace and the kernels it loads once it multiplies. A child that evaluates or quantizes on
@@ -303,7 +314,7 @@ class StagePlan:
 class PlanInputs:
     """The build's choices the plan depends on (from pipeline.Plan)."""
 
-    formats: list  # (key, family, nominal bits): "gguf" is made and run by llama.cpp, others by torch
+    formats: list  # (key, cost model, nominal bits): Backend.cost_model, "gguf" (llama.cpp), "mlx" or a torch quantizer
     context: int
     windows: int
     calibration_tokens: int  # samples x seqlen when a format calibrates, else 0
@@ -575,7 +586,7 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
 
     # the bandwidth probe, a child process, copies one buffer larger than the caches into another
     stages.append(StagePlan(HOST, FIXED_SECONDS["host"], max(base, PROBE_PROCESS_BYTES + 2 * bandwidth_buffer_bytes())))
-    if any(family == "gguf" for _, family, _ in inputs.formats):
+    if any(costs == "gguf" for _, costs, _ in inputs.formats):
         seconds = FIXED_SECONDS["intermediate/gguf-f16"] + CONVERT_SECONDS_PER_GB * size.stored_bytes / GB
         # The converter is a child process that maps the checkpoint and writes tensor by tensor, holding part of it
         # at its peak; the build process waits beside it.
@@ -594,9 +605,11 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
             _child_stage(intermediate_stage("imatrix"), seconds, base, int(GGUF_QUANTIZE_PROCESS_BYTES), child, 0)
         )
     bits_of = {key: bits for key, _, bits in inputs.formats}
-    for key, family, bits in inputs.formats:
+    for key, costs, bits in inputs.formats:
         artifact = int(size.parameters * bits / 8)
-        if family == "gguf":
+        if costs == "mlx":
+            stages += _mlx_stages(key, size, inputs, artifact, base, flop_seconds, runtime_stage)
+        elif costs == "gguf":
             seconds = FIXED_SECONDS["quantize/gguf"] + _gguf_quantize_seconds(size, key, max(1, host.threads))
             # llama.cpp reads, widens and quantizes one tensor at a time, in a child process beside the build's.
             child = int(
@@ -619,7 +632,7 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
                 seconds = FIXED_SECONDS["evaluate"]
                 stages.append(runtime_stage(tasks_stage(key, task), "llama.cpp", seconds, held, task_rows, True))
         else:
-            method = _torch_method(key)
+            method = costs
             calibration = max(inputs.calibration_tokens, 1)
             dtype = chosen_dtype if key in inputs.follows_dtype else "bfloat16"
             slowdown = BF16_EMULATED_SLOWDOWN if dtype == "bfloat16" and bf16_emulated else 1.0
@@ -646,7 +659,9 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
             for task in inputs.tasks:
                 stages.append(torch_runtime_stage(tasks_stage(key, task), "tasks", 0, held))
     if inputs.speed_tokens:
-        gguf = {key for key, family, _ in inputs.formats if family == "gguf"}
+        gguf = {key for key, costs, _ in inputs.formats if costs == "gguf"}
+        mlx = {key for key, costs, _ in inputs.formats if costs == "mlx"}
+        methods = {key: costs for key, costs, _ in inputs.formats}
         for key in [REFERENCE, *bits_of]:
             if key == REFERENCE:
                 seconds = FIXED_SECONDS["speed"] + _reference_probe_seconds(size, inputs, flop_seconds, bf16_emulated)
@@ -658,22 +673,42 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
             # The probe is a child process beside the build's: its runtime's libraries (and a quantization
             # library's, loaded by transformers for its kernels) before the model. Measured once its own peak was
             # recorded: the two-layer SmolLM2 shape's GPTQ probe held 1.92x a plan that counted one process.
-            probe_base = RUNTIME_PROCESS_BYTES["llama.cpp" if key in gguf else "transformers"]
-            if key not in gguf and key != REFERENCE:
-                probe_base += QUANTIZER_LIBRARY[_torch_method(key)][1]
+            probe_base = RUNTIME_PROCESS_BYTES["llama.cpp" if key in gguf else "mlx" if key in mlx else "transformers"]
+            if key not in gguf | mlx and key != REFERENCE:
+                probe_base += QUANTIZER_LIBRARY[methods[key]][1]
             plan = _child_stage(speed_stage(key), seconds, base, int(probe_base), int(probe_base + held), 0)
-            if on_gpu and (offload or key not in gguf):  # the probe runs on the build's device (probe.py)
+            if on_gpu and (offload or key not in gguf | mlx):  # the probe runs on the build's device (probe.py)
                 plan.vram_bytes = held + int(CUDA_PROCESS_BYTES)
             stages.append(plan)
     stages.append(StagePlan("card", FIXED_SECONDS["card"], base))
     return stages
 
 
-def _torch_method(key: str) -> str:
-    """The torch quantizer whose costs a format's key names (issue 40 moves these into the backends)."""
-    if key.startswith(("nvfp4-a16", "mxfp4")):
-        return "fp4"
-    return next((m for m in ("int8", "awq", "fp8", "nvfp4") if key.startswith(m)), "gptq")
+def _mlx_stages(
+    key: str, size: ModelSize, inputs: PlanInputs, artifact: int, base: int, flop_seconds: float, runtime_stage
+):
+    """mlx-lm's converter, then mlx's evaluation, each in a child (on the CPU: mlx runs on no NVIDIA GPU).
+
+    The converter maps the checkpoint, casts and quantizes it lazily and writes the folder. The evaluation holds the
+    folder's weights with their scales and offsets widened to float32 (a bit a weight more: 64-weight groups), and
+    a window's float32 logits twice (mlx's and the copy handed over). Measured on SmolLM2-135M, 4 windows of 256:
+    0.23 GB (4-bit) and 0.30 GB (8-bit) beside the process's own, planned 0.23 and 0.31."""
+    seconds = MLX_CONVERT_SECONDS + size.stored_bytes / GB * MLX_CONVERT_SECONDS_PER_GB
+    child = int(RUNTIME_PROCESS_BYTES["mlx"] + MLX_CONVERT_BYTES_PER_STORED_BYTE * size.stored_bytes + artifact)
+    quantize = _child_stage(quantize_stage(key), seconds, base, int(RUNTIME_PROCESS_BYTES["mlx"]), child, artifact)
+    eval_tokens = inputs.windows * inputs.context
+    seconds = FIXED_SECONDS["evaluate"] + TIME_FACTORS["evaluate/mlx"] * flop_seconds * eval_tokens
+    bits = 8 * artifact / size.parameters
+    held = int(artifact * (bits + 1) / bits) + 2 * _logits_bytes(size, inputs.context)
+    held += _activation_bytes(size, inputs.context)
+    from .backends.mlxlm import LOGIT_BLOCK
+
+    stages = [quantize, runtime_stage(evaluate_stage(key), "mlx", seconds, held, LOGIT_BLOCK, False)]
+    for task in inputs.tasks:
+        stages.append(
+            runtime_stage(tasks_stage(key, task), "mlx", FIXED_SECONDS["evaluate"], held, TASK_ANSWER_ROWS, True)
+        )
+    return stages
 
 
 def _child_stage(

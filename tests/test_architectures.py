@@ -26,15 +26,16 @@ ARCH_ARGS = [
     *("--calibration", str(C4), "--calib-samples", "8", "--calib-seqlen", "64"),
 ]
 # Torch formats per architecture, both libraries covered, AWQ on two (with the tiny llama's in test_torch_formats,
-# three), NVFP4 and MXFP4 on Qwen3 (with the tiny llama's in test_fp4, two); Gemma 3 also asks GPTQModel, which must
-# refuse it.
+# three), NVFP4 and MXFP4 on Qwen3 (with the tiny llama's in test_fp4, two), MLX 8-bit on Qwen3 and Phi-3 (test_mlx
+# has the llama's and qwen2's; mlx-lm's Gemma 3 cannot run a model of fewer layers than its sliding-window pattern,
+# six, so the two-layer Gemma 3 is left out); Gemma 3 also asks GPTQModel, which must refuse it.
 TORCH_FORMAT = {
     "llama": "gptq-int4",
     "mistral": "int8",
     "qwen2": "gptq-int4,awq",
-    "qwen3": "int8,nvfp4,mxfp4-a16",
+    "qwen3": "int8,nvfp4,mxfp4-a16,mlx-8bit",
     "gemma3": "int8,gptq-int4",
-    "phi3": "gptq-int4",
+    "phi3": "gptq-int4,mlx-8bit",
     "qwen2_moe": "int8",
     "olmo2": "gptq-int4,awq",
 }
@@ -51,6 +52,8 @@ LIMITS = {
     "awq": (26.0, 0.7),  # 6.5% and 0.165 at most (qwen2; olmo2 3.7% and 0.070, the tiny llama 1.8% and 0.142)
     "nvfp4": (16.0, 1.0),  # qwen3 2.2% and 0.194 (the tiny llama 3.8% and 0.256)
     "mxfp4-a16": (16.0, 0.75),  # qwen3 4.0% and 0.148 (the tiny llama 3.7% and 0.185)
+    # in mlx itself: qwen3 0.27% and 0.0005, phi3 (fused projections) 0.34% and 0.0013 (mistral 0.0013, olmo2 0.0005)
+    "mlx-8bit": (2.0, 0.02),
 }
 ADDS_BOS = {"mistral", "gemma3"}  # their (SentencePiece) tokenizers put BOS in front of every text
 
@@ -171,7 +174,8 @@ def test_compressed_tensors_artifact_loads_in_transformers(kind, arch_run):
 FP4 = {"nvfp4", "nvfp4-a16", "mxfp4-a16"}
 NOT_LOADABLE_HERE = {("qwen2_moe", "int8"), ("gemma3", "gptq-int4"), ("phi3", "gptq-int4")}
 SERVED = [(kind, key) for kind, keys in TORCH_FORMAT.items() for key in keys.split(",")]
-SERVED = [pair for pair in SERVED if pair not in NOT_LOADABLE_HERE]
+# MLX folders are evaluated in mlx, their serving library, already (test_mlx sets mlx-lm's own perplexity beside it).
+SERVED = [pair for pair in SERVED if pair not in NOT_LOADABLE_HERE and not pair[1].startswith("mlx")]
 
 
 @pytest.mark.slow

@@ -87,7 +87,7 @@ def test_ggml_rate_is_measured_in_llamacpps_library_and_a_broken_library_gives_n
 
 
 def test_on_cuda_the_model_is_planned_in_gpu_memory():
-    gptq = (("gptq-int4", "hf", 4.0),)
+    gptq = (("gptq-int4", "gptq", 4.0),)
     cpu = make_resource_plan(QWEN_7B, _inputs(gptq, "cpu", 128 * 512), HOST)
     cuda = make_resource_plan(QWEN_7B, _inputs(gptq, "cuda:0", 128 * 512), HOST)
     for key in ("reference", "quantize/gptq-int4", "evaluate/gptq-int4"):
@@ -102,7 +102,7 @@ def test_on_cuda_each_process_that_computes_there_adds_a_cuda_context():
 
     from quantforge.resources import CUDA_KERNEL_BYTES, CUDA_PROCESS_BYTES
 
-    formats = (("gptq-int4", "hf", 4.0), ("gguf-q4km", "gguf", 4.89))
+    formats = (("gptq-int4", "gptq", 4.0), ("gguf-q4km", "gguf", 4.89))
     cpu_llamacpp = make_resource_plan(QWEN_7B, _inputs(formats, "cuda:0", 128 * 512), HOST)
     artifact = {"gptq-int4": QWEN_7B.parameters * 4.0 / 8, "gguf-q4km": QWEN_7B.parameters * 4.89 / 8}
     # packed weights and the untied embedding table and output layer in bf16
@@ -267,11 +267,11 @@ def test_a_gpu_too_small_is_refused_with_the_numbers(tmp_path):
     from quantforge.resources import check_plan
 
     gpu = HostSpeed(gemm_gflops=50.0, memory_available=int(64 * GB), threads=2, gpu_memory_free=int(8 * GB))
-    plan = make_resource_plan(QWEN_7B, _inputs((("gptq-int4", "hf", 4.0),), "cuda:0", 128 * 512), gpu)
+    plan = make_resource_plan(QWEN_7B, _inputs((("gptq-int4", "gptq", 4.0),), "cuda:0", 128 * 512), gpu)
     with pytest.raises(QuantforgeError, match=r"not enough GPU memory on cuda:0: stage .* needs about [0-9.]+ GB"):
         check_plan(plan, tmp_path)
     roomy = HostSpeed(gemm_gflops=50.0, memory_available=int(64 * GB), threads=2, gpu_memory_free=int(141 * GB))
-    check_plan(make_resource_plan(QWEN_7B, _inputs((("gptq-int4", "hf", 4.0),), "cuda:0", 128 * 512), roomy),
+    check_plan(make_resource_plan(QWEN_7B, _inputs((("gptq-int4", "gptq", 4.0),), "cuda:0", 128 * 512), roomy),
                tmp_path)  # fmt: skip
 
 
@@ -282,7 +282,7 @@ def test_gptq_calibrates_in_float32_on_a_cpu_without_bf16_when_it_fits():
 
     from quantforge.resources import quantize_dtype
 
-    formats = (("gptq-int4", "hf", 4.0), ("awq", "hf", 4.25))
+    formats = (("gptq-int4", "gptq", 4.0), ("awq", "awq", 4.25))
 
     def plan(host: HostSpeed, asked: str = "auto") -> dict:
         inputs = replace(
@@ -341,3 +341,14 @@ def test_a_quantize_dtype_that_is_not_one_of_the_three_is_one_line(tiny_llama, t
         "error: --quantize-dtype must be auto, bfloat16, float32, not 'fp8'"
     )
     assert not out.exists()
+
+
+def test_mlx_formats_are_planned_on_the_cpu_even_when_the_build_uses_a_gpu():
+    """mlx runs on no NVIDIA GPU (its Linux build is the CPU's): a --device cuda build plans its converter and its
+    evaluation in host memory, and a 7B's evaluation in mlx's slow CPU products takes far longer than llama.cpp's."""
+    formats = (("mlx-4bit", "mlx", 4.5), ("gguf-q4km", "gguf", 4.89))
+    plan = make_resource_plan(QWEN_7B, _inputs(formats, "cuda:0"), HOST)
+    for key in ("quantize/mlx-4bit", "evaluate/mlx-4bit"):
+        assert _stage(plan, key)["vram_bytes"] == 0
+        assert _stage(plan, key)["child_rss_bytes"] > QWEN_7B.parameters * 4.5 / 8  # the folder's weights, in RAM
+    assert _stage(plan, "evaluate/mlx-4bit")["seconds"] > 10 * _stage(plan, "evaluate/gguf-q4km")["seconds"]

@@ -133,6 +133,11 @@ class Backend(abc.ABC):
     # the packages it never uses (memory.import_transformers_slim). llama.cpp's quantizers need no torch at all.
     quantizes_in_transformers: ClassVar[bool] = True
 
+    def cost_model(self, fmt: Format) -> str:
+        """Which of the resource plan's measured cost models prices making and running ``fmt``: "gguf" (llama.cpp),
+        "mlx", or a torch quantizer's (resources.QUANTIZER_LIBRARY: "gptq", "awq", "int8", "fp8", "fp4", "nvfp4")."""
+        return "gguf" if fmt.family == "gguf" else "gptq"
+
     def calibrates(self, fmt: Format) -> bool:
         """Whether quantize() reads the run's calibration set for ``fmt`` (a backend may make data-free formats)."""
         return self.needs_calibration

@@ -139,6 +139,9 @@ class GPTQModelBackend(HFFolderBackend):
     # GPTQ in float32 where that is faster (device.quantizer_dtype); GPTQModel packs AWQ only from 16 bits.
     follows_quantize_dtype = frozenset({"gptq-int4", "gptq-int8"})
 
+    def cost_model(self, fmt) -> str:
+        return "awq" if fmt.name == "awq" else "gptq"
+
     def unsupported(self, source, fmt) -> str | None:
         # Their bug, not our call (found on Gemma 3): GPTQModel 7.6's config normalization
         # (gptqmodel.utils.hf._normalize_rope_parameters_config_compat) writes flat rope_type/rope_theta keys into

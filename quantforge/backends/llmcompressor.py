@@ -102,6 +102,8 @@ SCHEMES = {
     "nvfp4-a16": "NVFP4A16",
     "mxfp4-a16": "MXFP4A16",
 }
+# The resource plan's measured costs each format is priced by (resources.QUANTIZER_LIBRARY)
+COST_MODELS = {"int8": "int8", "fp8": "fp8", "nvfp4": "nvfp4", "nvfp4-a16": "fp4", "mxfp4-a16": "fp4"}
 DATA_FREE = frozenset({"fp8", "nvfp4-a16", "mxfp4-a16"})
 ROUND_TO_NEAREST = DATA_FREE | {"nvfp4"}  # QuantizationModifier's scheme alone, no GPTQ
 # The group each FP4 scheme fixes (it is part of the format: vLLM's kernels take no other)
@@ -160,6 +162,9 @@ class LLMCompressorBackend(HFFolderBackend):
     extra = "int8"
     alternative_for = frozenset({"gptq-int4", "gptq-int8"})
     progress_pattern = r"\((\d+)/(\d+)\): Propagating"  # one pass over the layers per modifier
+
+    def cost_model(self, fmt) -> str:
+        return COST_MODELS.get(fmt.name, "gptq")
 
     def calibrates(self, fmt) -> bool:
         return fmt.name not in DATA_FREE
