@@ -66,6 +66,10 @@ TIME_FACTORS = {
     # about 180 GFLOP/s a thread; on an AVX2-only host (88) it predicted 1.4-1.9x too long
     "evaluate/gguf-by-gemm": 2.6,
     "evaluate/torch": 2.5,  # dequantized per module, every window (estimate)
+    # NVFP4 W4A4: its FP4 activations simulated per 16 values in every Linear (dequant.nvfp4_activations). SmolLM2's
+    # evaluation took 1.7x its weight-only file's (131 s against 76 s, both beside the test suite), which the plan
+    # gave 44 s each at the factor above.
+    "evaluate/torch-nvfp4": 4.3,
     "tasks": 1.8,
     # mlx on a Linux CPU, float32 (mlxlm.MLXRunner): its wheel's reference BLAS runs about 2 GFLOP/s against torch's
     # 180 here; the tiny llama 96 and SmolLM2-135M 70-100 times the GEMM time (a Mac's GPU is not priced)
@@ -655,7 +659,8 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
             # Packed weights, plus the unquantized embedding table (and LM head, when untied) in 16 bits.
             unquantized = size.vocab_size * size.hidden_size * 2 * (1 if size.tie_word_embeddings else 2)
             held = artifact + unquantized
-            stages.append(torch_runtime_stage(evaluate_stage(key), "evaluate/torch", eval_tokens, held))
+            factor = "evaluate/torch-nvfp4" if method == "nvfp4" else "evaluate/torch"
+            stages.append(torch_runtime_stage(evaluate_stage(key), factor, eval_tokens, held))
             for task in inputs.tasks:
                 stages.append(torch_runtime_stage(tasks_stage(key, task), "tasks", 0, held))
     if inputs.speed_tokens:
