@@ -74,6 +74,9 @@ TIME_FACTORS = {
     # mlx on a Linux CPU, float32 (mlxlm.MLXRunner): its wheel's reference BLAS runs about 2 GFLOP/s against torch's
     # 180 here; the tiny llama 96 and SmolLM2-135M 70-100 times the GEMM time (a Mac's GPU is not priced)
     "evaluate/mlx": 90.0,
+    # mlx-lm's generation loop on a Linux CPU in the folder's bf16, the probe's timed tokens: SmolLM2-135M's probes
+    # took 193-199 s (32 + 16 tokens, 3 runs and a warm-up; the llama.cpp files' take 1-2 s)
+    "speed/mlx": 700.0,
 }
 FIXED_SECONDS = {  # start-up work that does not grow with the model: imports, child processes, tokenizers
     "fetch": 0.5,
@@ -671,7 +674,8 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
             if key == REFERENCE:
                 seconds = FIXED_SECONDS["speed"] + _reference_probe_seconds(size, inputs, flop_seconds, bf16_emulated)
             else:
-                seconds = FIXED_SECONDS["speed"] + 3 * flop_seconds * inputs.speed_tokens
+                factor = TIME_FACTORS["speed/mlx"] if key in mlx else 3
+                seconds = FIXED_SECONDS["speed"] + factor * flop_seconds * inputs.speed_tokens
             held = _loaded_peak(size) if key == REFERENCE else int(bits_of[key] * size.parameters / 8)
             if key in gguf and not offload:
                 held += _repacked_bytes(size, key)
