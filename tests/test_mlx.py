@@ -181,3 +181,26 @@ def test_the_speed_probe_ran_in_mlx(mlx_run):
     speed = entry["speed"]
     assert speed["runtime"] == "mlx" and speed["device"] == "cpu"
     assert np.isfinite(speed["decode_tps"]) and speed["decode_tps"] > 0
+
+
+def test_a_model_type_mlx_lm_cannot_run_is_refused_up_front(smollm2_dir, tmp_path):
+    """OPT has no model code in mlx-lm 0.32: one line naming mlx-lm and the architecture, exit 2, before the
+    reference or anything else runs (measured: 6 s)."""
+    import torch
+    from conftest import quantforge_cli
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    model = tmp_path / "tiny-opt"
+    config = OPTConfig(
+        vocab_size=49152, hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=2,
+        word_embed_proj_dim=64, max_position_embeddings=256,
+    )  # fmt: skip
+    OPTForCausalLM(config).save_pretrained(model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, model)
+    result = quantforge_cli("build", str(model), "--out", str(tmp_path / "run"), "--formats", "mlx-4bit")
+    assert result.returncode == 2, result.stderr
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert "mlx-lm 0.32" in line and "OPTForCausalLM" in line and "model_type 'opt'" in line
+    assert not (tmp_path / "run" / "artifacts").exists()

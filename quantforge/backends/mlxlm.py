@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import Backend, Deployment, Format, LogitsRunner, QuantizeJob
+from . import Backend, Deployment, Format, LogitsRunner, QuantizeJob, library_version
 
 GROUP_SIZE = 64  # mlx-lm's default for affine quantization, and what mlx-community's folders use
 BITS = {"mlx-4bit": 4, "mlx-8bit": 8}
@@ -55,6 +55,30 @@ def _device_name() -> str:
     import mlx.core as mx
 
     return "gpu" if mx.default_device() == mx.gpu else "cpu"
+
+
+def mlx_lm_model_types() -> set[str] | None:
+    """The model types mlx-lm loads: a module of its own under ``mlx_lm/models``, or a name its loader maps onto one
+    (``MODEL_REMAPPING`` in ``mlx_lm/utils.py``, read from the source: importing mlx_lm takes 6 s). None when that
+    cannot be read (another layout): then nothing is refused up front."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("mlx_lm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    package = Path(next(iter(spec.submodule_search_locations)))
+    modules = {path.stem for path in (package / "models").glob("*.py")}
+    try:
+        tree = ast.parse((package / "utils.py").read_text())
+        remapping = next(
+            ast.literal_eval(node.value)
+            for node in tree.body
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "MODEL_REMAPPING" for t in node.targets)
+        )
+    except (OSError, SyntaxError, ValueError, StopIteration):
+        return None
+    return modules | {name for name, target in remapping.items() if target in modules}
 
 
 def mlx_generate_command(folder_name: str) -> str:
@@ -148,7 +172,7 @@ class MLXRunner:
 class MLXBackend(Backend):
     name = "mlx"
     formats = FORMATS
-    requires = ("mlx", "mlx_lm")
+    requires = ("mlx_lm", "mlx")  # quantization failures name the first: mlx-lm's converter
     extra = "mlx"
     runtime_module = "mlx"
     quantizes_in_transformers = False  # mlx-lm reads the safetensors itself (it imports transformers for tokenizers)
@@ -156,6 +180,17 @@ class MLXBackend(Backend):
 
     def cost_model(self, fmt: Format) -> str:
         return "mlx"
+
+    def unsupported(self, source, fmt: Format) -> str | None:
+        """A model type mlx-lm has no model code for is refused up front, not after the reference has run."""
+        model_type = source.config.get("model_type")
+        known = mlx_lm_model_types()
+        if known is None or model_type in known:
+            return None
+        return (
+            f"{library_version('mlx_lm')} has no model code for {source.config.get('architecture')} "
+            f"(model_type '{model_type}'), so it can neither convert nor run it"
+        )
 
     def quantize(self, job: QuantizeJob) -> dict:
         from mlx_lm import convert
