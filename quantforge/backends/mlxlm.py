@@ -135,7 +135,7 @@ class MLXRunner:
 
     def _forward(self, tokens: np.ndarray):
         """One window through the model as mlx-lm runs a prompt: into a fresh KV cache of the model's own kinds
-        (Gemma 3's sliding layers a rotating one; without a cache its forward indexes layers it may not have)."""
+        (a rotating one for Gemma 3's sliding-window layers)."""
         import mlx.core as mx
         from mlx_lm.models.cache import make_prompt_cache
 
