@@ -667,26 +667,26 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
             for task in inputs.tasks:
                 stages.append(torch_runtime_stage(tasks_stage(key, task), "tasks", 0, held))
     if inputs.speed_tokens:
-        gguf = {key for key, costs, _ in inputs.formats if costs == "gguf"}
-        mlx = {key for key, costs, _ in inputs.formats if costs == "mlx"}
         methods = {key: costs for key, costs, _ in inputs.formats}
         for key in [REFERENCE, *bits_of]:
+            costs = methods.get(key)
             if key == REFERENCE:
                 seconds = FIXED_SECONDS["speed"] + _reference_probe_seconds(size, inputs, flop_seconds, bf16_emulated)
             else:
-                factor = TIME_FACTORS["speed/mlx"] if key in mlx else 3
+                factor = TIME_FACTORS["speed/mlx"] if costs == "mlx" else 3
                 seconds = FIXED_SECONDS["speed"] + factor * flop_seconds * inputs.speed_tokens
             held = _loaded_peak(size) if key == REFERENCE else int(bits_of[key] * size.parameters / 8)
-            if key in gguf and not offload:
+            if costs == "gguf" and not offload:
                 held += _repacked_bytes(size, key)
             # The probe is a child process beside the build's: its runtime's libraries (and a quantization
             # library's, loaded by transformers for its kernels) before the model. Measured once its own peak was
             # recorded: the two-layer SmolLM2 shape's GPTQ probe held 1.92x a plan that counted one process.
-            probe_base = RUNTIME_PROCESS_BYTES["llama.cpp" if key in gguf else "mlx" if key in mlx else "transformers"]
-            if key not in gguf | mlx and key != REFERENCE:
-                probe_base += QUANTIZER_LIBRARY[methods[key]][1]
+            runtime = {"gguf": "llama.cpp", "mlx": "mlx"}.get(costs, "transformers")
+            probe_base = RUNTIME_PROCESS_BYTES[runtime]
+            if runtime == "transformers" and key != REFERENCE:
+                probe_base += QUANTIZER_LIBRARY[costs][1]
             plan = _child_stage(speed_stage(key), seconds, base, int(probe_base), int(probe_base + held), 0)
-            if on_gpu and (offload or key not in gguf | mlx):  # the probe runs on the build's device (probe.py)
+            if on_gpu and (offload or costs not in ("gguf", "mlx")):  # the probe runs on the build's device (probe.py)
                 plan.vram_bytes = held + int(CUDA_PROCESS_BYTES)
             stages.append(plan)
     stages.append(StagePlan("card", FIXED_SECONDS["card"], base))

@@ -53,7 +53,7 @@ LIMITS = {
     "nvfp4": (16.0, 1.0),  # qwen3 2.2% and 0.194 (the tiny llama 3.8% and 0.256)
     "mxfp4-a16": (16.0, 0.75),  # qwen3 4.0% and 0.148 (the tiny llama 3.7% and 0.185)
     # in mlx itself: qwen3 0.27% and 0.0005, phi3 (fused projections) 0.34% and 0.0013 (mistral 0.0013, olmo2 0.0005)
-    "mlx-8bit": (2.0, 0.02),
+    "mlx-8bit": (1.5, 0.006),
 }
 ADDS_BOS = {"mistral", "gemma3"}  # their (SentencePiece) tokenizers put BOS in front of every text
 

@@ -33,7 +33,9 @@ GGUF_FORMAT = "gguf-q8_0"
 # evaluation do not switch on the architecture; leaving it out keeps CI's run near its 60 minutes.
 TORCH_FORMAT = {"qwen2.5-7b": "fp8", "llama-3.1-8b": "fp8", "qwen1.5-moe-a2.7b": "fp8"} | {
     "smollm2-135m": "gptq-int4",
-    "qwen2.5-0.5b": "int8,nvfp4",  # NVFP4 W4A4: its calibration and activation simulation at real widths
+    # NVFP4 W4A4: its calibration and activation simulation at real widths; MLX: mlx-lm's converter and mlx's
+    # evaluation at a real width and vocabulary (mlx is slow on this CPU: the 0.5B is the one shape it can afford)
+    "qwen2.5-0.5b": "int8,nvfp4,mlx-8bit",
 }
 # Random weights give nearly flat distributions, on which quantization error still shows: mean KL measured on these
 # shapes, Q8_0 at most 0.0012, FP8 0.002-0.022, INT8 (0.5B) 0.0009, NVFP4 W4A4 (0.5B) 0.0325, GPTQ int4 (SmolLM2)
@@ -41,6 +43,7 @@ TORCH_FORMAT = {"qwen2.5-7b": "fp8", "llama-3.1-8b": "fp8", "qwen1.5-moe-a2.7b":
 # (scripts/bench_scale). Limits about four times those: a broken format (a wrong scale, a transposed weight) is far
 # above. The lower end allows the KL estimate's own noise (see below).
 KLD_LIMIT = {"gguf-q4km": 0.5, "gguf-q8_0": 0.005, "fp8": 0.08, "int8": 0.005, "gptq-int4": 0.03, "nvfp4": 0.13}
+KLD_LIMIT["mlx-8bit"] = 0.005
 # Measured peak over planned peak, per stage, on these shapes (2 cores, 24 GB): at most 0.98 (dense shapes) and
 # 1.10 (the MoE's reference); the plan may be generous, but must not be short by more than this.
 MEMORY_RATIO_LIMIT = 1.25

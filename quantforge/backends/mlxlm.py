@@ -145,22 +145,16 @@ class MLXRunner:
         return out
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
-        import mlx.core as mx
-
-        return np.array(self._forward(tokens).astype(mx.float32))
+        return np.array(self._forward(tokens))  # float32: the model computes in float32 (set_dtype above)
 
     def scored_logits(self, tokens: np.ndarray, first: int = 0):
         """Positions ``first`` to the last but one, a block at a time."""
-        import mlx.core as mx
-
         out, scored = self._forward(tokens), len(tokens) - 1
         for start in range(first, scored, LOGIT_BLOCK):
-            yield np.array(out[start : min(start + LOGIT_BLOCK, scored)].astype(mx.float32))
+            yield np.array(out[start : min(start + LOGIT_BLOCK, scored)])
 
     def last_logits(self, tokens: np.ndarray, rows: int) -> np.ndarray:
-        import mlx.core as mx
-
-        return np.array(self._forward(tokens)[-rows:].astype(mx.float32))
+        return np.array(self._forward(tokens)[-rows:])
 
     def close(self) -> None:
         import mlx.core as mx
@@ -176,7 +170,6 @@ class MLXBackend(Backend):
     extra = "mlx"
     runtime_module = "mlx"
     quantizes_in_transformers = False  # mlx-lm reads the safetensors itself (it imports transformers for tokenizers)
-    progress_pattern = None
 
     def cost_model(self, fmt: Format) -> str:
         return "mlx"
