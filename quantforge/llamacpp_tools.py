@@ -6,13 +6,19 @@ Why build them: an importance matrix reaches llama.cpp's quantizer only as a C++
 callback inside ``llama-imatrix``. Running llama.cpp's own programs, from the same source as the library that later
 loads the files, is what users of imatrix GGUFs compare against.
 
-They are linked statically (one file each, no rpath into a build tree), kept beside the environment like the
-converter, and built once: ``quantforge setup --tools`` (``scripts/install.sh`` runs it), or on first use.
-``CMAKE_ARGS`` (as for pip installing llama-cpp-python) adds flags, e.g. ``-DGGML_CUDA=on``.
+Where they come from, first found first:
+- the llama-cpp-python wheel itself. ``scripts/install.sh`` builds that package with llama.cpp's tools switched on,
+  so that one compile makes the library Python loads and the tools, linked against the very same shared libraries
+  (the wheel's ``bin/`` and ``lib/``, beside ``llama_cpp/``);
+- a separate static build of the same vendored source (one file each, no rpath into a build tree), kept beside
+  the environment like the converter: ``quantforge setup --tools``, or on first use, when the installed package
+  was built without them (a plain ``pip install llama-cpp-python``). ``CMAKE_ARGS`` adds flags there too, e.g.
+  ``-DGGML_CUDA=on``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shlex
 import sys
@@ -45,8 +51,15 @@ CMAKE_FLAGS = (
 )
 
 
+def package_tool_dir() -> Path | None:
+    """The ``bin/`` of the installed llama-cpp-python wheel (found without importing it), where its own build put
+    llama.cpp's tools when it was built with them."""
+    spec = importlib.util.find_spec("llama_cpp")
+    return Path(spec.origin).parent.parent / "bin" if spec and spec.origin else None
+
+
 def tool_dirs(version: str | None = None) -> list[Path]:
-    """Where the tools may be kept, most preferred first (as for the converter: beside the environment)."""
+    """Where the tools we build are kept, most preferred first (as for the converter: beside the environment)."""
     from .source import cache_root
 
     version = version or runtime_version()
@@ -57,7 +70,9 @@ def tool_dirs(version: str | None = None) -> list[Path]:
 
 
 def find_tool(name: str) -> Path | None:
-    return next((folder / name for folder in tool_dirs() if (folder / name).is_file()), None)
+    """The package's own tool, else one we built; None when neither is there."""
+    folders = [folder for folder in (package_tool_dir(), *tool_dirs()) if folder is not None]
+    return next((folder / name for folder in folders if (folder / name).is_file()), None)
 
 
 def require_tool(name: str) -> Path:
