@@ -37,6 +37,7 @@ from .rundir import (
     REFERENCE,
     TOKENS,
     evaluate_stage,
+    kv_cache_stage,
     quantize_stage,
     speed_stage,
     tasks_stage,
@@ -158,6 +159,10 @@ def _format_entries(manifest: Manifest) -> list[dict]:
             entry["how"] = {
                 k: result.get(k) for k in ("runtime", "threads", "flash_attn", "eval_seconds", "eval_tokens_per_second")
             }
+        if evaluated:
+            kv_caches = _kv_cache_results(manifest, key, evaluated["result"], reference)
+            if kv_caches:
+                entry["kv_cache"] = kv_caches
         speed = manifest.stage(speed_stage(key))
         if speed:
             entry["speed"] = speed["result"]
@@ -165,6 +170,50 @@ def _format_entries(manifest: Manifest) -> list[dict]:
                 entry["metrics"]["decode_tps"] = speed["result"]["decode_tps"]
         entries.append(entry)
     return entries
+
+
+def _kv_cache_results(manifest: Manifest, key: str, own: dict, reference: dict) -> dict:
+    """type -> the file's figures with that quantized KV cache (same windows, flash attention on), and its mean KL
+    as a multiple of the file's own with the 16-bit cache (a paired interval over the windows)."""
+    from .uncertainty import kld_ratio_interval, window_intervals
+
+    found = {}
+    prefix = kv_cache_stage(key)
+    for stage_key, record in manifest.stages.items():
+        if not stage_key.startswith(prefix):
+            continue
+        result = record["result"]
+        figures = {k: result[k] for k in ("perplexity", "kld_mean", "top1_agreement") if k in result}
+        figures["perplexity_increase_pct"] = 100.0 * (result["perplexity"] / reference["perplexity"] - 1.0)
+        kv = {
+            "metrics": figures,
+            "intervals": window_intervals(result["per_window"]) if result.get("per_window") else {},
+            "flash_attn": result.get("flash_attn"),
+            "runtime": result.get("runtime"),
+            "bytes_per_value": result.get("kv_bytes_per_value"),
+        }
+        if own.get("kld_mean"):
+            kv["kld_ratio"] = result["kld_mean"] / own["kld_mean"]
+        if result.get("per_window") and own.get("per_window"):
+            kv["kld_ratio_interval"] = kld_ratio_interval(result["per_window"], own["per_window"])
+        found[stage_key[len(prefix) :]] = kv
+    return found
+
+
+def _quantized_kv(entry: dict) -> tuple[str, float]:
+    """The quantized KV cache the memory fit may fall back to: the least aggressive one measured for this file
+    (--kv-cache), else its runtime's usual one: llama.cpp's q8_0 for a GGUF, vLLM's fp8 for the others."""
+    from .deploy import FP8_KV_BYTES
+
+    measured = {name: kv["bytes_per_value"] for name, kv in (entry.get("kv_cache") or {}).items()}
+    if measured:
+        name = max(measured, key=measured.__getitem__)
+        return name, measured[name]
+    if entry["family"] == "gguf":
+        from .backends.llamacpp import KV_CACHE_BYTES
+
+        return "q8_0", KV_CACHE_BYTES["q8_0"]
+    return "fp8", FP8_KV_BYTES
 
 
 def _add_memory_fit(entries: list[dict], config: dict, targets: Targets) -> float | None:
@@ -178,7 +227,10 @@ def _add_memory_fit(entries: list[dict], config: dict, targets: Targets) -> floa
         if "tensor_bytes" not in (entry.get("quantize") or {}):
             continue
         weight_bytes = entry["quantize"]["tensor_bytes"]
-        fits = {gpu.name: memory_fit(weight_bytes, config, gpu, targets.context, targets.concurrency) for gpu in gpus}
+        kv = _quantized_kv(entry)
+        fits = {
+            gpu.name: memory_fit(weight_bytes, config, gpu, targets.context, targets.concurrency, kv) for gpu in gpus
+        }
         entry["memory_fit"] = fits
         if targets.gpu and "metrics" in entry:
             only = next(iter(fits.values()))

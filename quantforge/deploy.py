@@ -3,7 +3,8 @@
 Memory model (stated on the card): a serving engine may use ``GPU_UTILIZATION`` of the GPU's memory (vLLM's
 default ``--gpu-memory-utilization``), of which ``RUNTIME_OVERHEAD_GB`` goes to activations, the CUDA context and
 graphs; the rest holds the weights (the artifact's tensor bytes) and the KV cache, which costs
-layers x KV heads x head dim x 2 (K and V) x 2 bytes (fp16) per token of every sequence.
+layers x KV heads x head dim x 2 (K and V) x 2 bytes (fp16) per token of every sequence, or fewer bytes per value
+for a quantized cache (vLLM's fp8: 1; llama.cpp's q8_0: 34 per 32 values).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def parse_gpu(text: str) -> GPU:
     raise QuantforgeError(f"unknown GPU '{text}'; known: {', '.join(GPUS)}, or a size such as 20GB")
 
 
-def kv_bytes_per_token(config: dict, dtype_bytes: int = KV_DTYPE_BYTES) -> int:
-    return config["num_layers"] * config["num_kv_heads"] * config["head_dim"] * 2 * dtype_bytes
+def kv_bytes_per_token(config: dict, dtype_bytes: float = KV_DTYPE_BYTES) -> int:
+    return round(config["num_layers"] * config["num_kv_heads"] * config["head_dim"] * 2 * dtype_bytes)
 
 
 def _largest_context(left_for_kv: float, per_token: int, concurrency: int, max_positions: int | None) -> int:
@@ -52,14 +53,22 @@ def _largest_context(left_for_kv: float, per_token: int, concurrency: int, max_p
     return min(largest, max_positions) if max_positions else largest
 
 
-def memory_fit(weight_bytes: int, config: dict, gpu: GPU, context: int, concurrency: int) -> dict:
+def memory_fit(
+    weight_bytes: int,
+    config: dict,
+    gpu: GPU,
+    context: int,
+    concurrency: int,
+    quantized_kv: tuple[str, float] = ("fp8", FP8_KV_BYTES),
+) -> dict:
     """Whether the weights and the KV cache of ``concurrency`` sequences of ``context`` tokens fit, at an fp16 KV
-    cache and, as the fallback a user can choose, an fp8 one (vLLM's ``--kv-cache-dtype fp8``: half the bytes)."""
+    cache and, as the fallback a user can choose, the runtime's quantized one (``quantized_kv``: its name and bytes
+    per value; vLLM's ``--kv-cache-dtype fp8`` by default, llama.cpp's ``q8_0`` for a GGUF)."""
     usable = gpu.memory_gb * 1e9 * GPU_UTILIZATION - RUNTIME_OVERHEAD_GB * 1e9
     per_token = kv_bytes_per_token(config)
-    per_token_fp8 = kv_bytes_per_token(config, FP8_KV_BYTES)
+    per_token_quantized = kv_bytes_per_token(config, quantized_kv[1])
     needed = weight_bytes + per_token * context * concurrency
-    needed_fp8 = weight_bytes + per_token_fp8 * context * concurrency
+    needed_quantized = weight_bytes + per_token_quantized * context * concurrency
     left_for_kv = usable - weight_bytes
     max_positions = config.get("max_position_embeddings")
     return {
@@ -74,8 +83,9 @@ def memory_fit(weight_bytes: int, config: dict, gpu: GPU, context: int, concurre
         "fits": needed <= usable,
         "largest_context": _largest_context(left_for_kv, per_token, concurrency, max_positions),
         "kv_bytes_per_token": per_token,
-        "fits_with_fp8_kv": needed_fp8 <= usable,
-        "largest_context_fp8_kv": _largest_context(left_for_kv, per_token_fp8, concurrency, max_positions),
+        "quantized_kv": quantized_kv[0],
+        "fits_with_quantized_kv": needed_quantized <= usable,
+        "largest_context_quantized_kv": _largest_context(left_for_kv, per_token_quantized, concurrency, max_positions),
     }
 
 
@@ -87,33 +97,41 @@ def memory_fit(weight_bytes: int, config: dict, gpu: GPU, context: int, concurre
 # tests/test_deploy.py.
 
 
-def vllm_command(folder_name: str, max_model_len: int, fp8_kv: bool = False) -> str:
+def vllm_command(folder_name: str, max_model_len: int, kv_cache: str | None = None) -> str:
     command = f"vllm serve ./{folder_name} --max-model-len {max_model_len} --gpu-memory-utilization {GPU_UTILIZATION}"
-    return command + (" --kv-cache-dtype fp8" if fp8_kv else "")
+    return command + (f" --kv-cache-dtype {kv_cache}" if kv_cache else "")
 
 
-def llama_server_command(gguf_name: str, context: int) -> str:
-    """An OpenAI-compatible server with the GGUF's own chat template (--jinja); llama.cpp offloads to a GPU itself."""
-    return f"llama-server -m {shlex.quote(gguf_name)} -c {context} --jinja"
+def llama_server_command(gguf_name: str, context: int, kv_cache: str | None = None) -> str:
+    """An OpenAI-compatible server with the GGUF's own chat template (--jinja); llama.cpp offloads to a GPU itself.
+    A quantized KV cache needs flash attention on (llama.cpp refuses a quantized V cache without it)."""
+    command = f"llama-server -m {shlex.quote(gguf_name)} -c {context} --jinja"
+    return command + _llama_kv_flags(kv_cache)
 
 
-def llama_cli_command(gguf_name: str, context: int) -> str:
+def _llama_kv_flags(kv_cache: str | None) -> str:
+    return f" -fa on -ctk {kv_cache} -ctv {kv_cache}" if kv_cache else ""
+
+
+def llama_cli_command(gguf_name: str, context: int, kv_cache: str | None = None) -> str:
     """An interactive chat in the terminal (llama-cli chats by default when the model has a chat template)."""
-    return f"llama-cli -m {shlex.quote(gguf_name)} -c {context} --jinja"
+    command = f"llama-cli -m {shlex.quote(gguf_name)} -c {context} --jinja"
+    return command + _llama_kv_flags(kv_cache)
 
 
 def ollama_command(model_name: str) -> str:
     return f"ollama create {model_name} -f Modelfile"
 
 
-def vllm_serving(fit: dict | None, context: int) -> tuple[int, bool]:
-    """The --max-model-len and whether to add --kv-cache-dtype fp8: the asked context when it fits at fp16, else
-    at fp8 when that fits, else the largest context that fits at fp16 (no fit known: the asked context)."""
+def serving(fit: dict | None, context: int) -> tuple[int, str | None]:
+    """The context to serve and the quantized KV cache to ask for (None: the 16-bit one): the asked context when
+    it fits at fp16, else with the fit's quantized cache when that fits, else the largest context that fits at fp16
+    (no fit known: the asked context)."""
     if not fit or fit["fits"]:
-        return context, False
-    if fit["fits_with_fp8_kv"]:
-        return context, True
-    return max(fit["largest_context"], 1), False
+        return context, None
+    if fit["fits_with_quantized_kv"]:
+        return context, fit["quantized_kv"]
+    return max(fit["largest_context"], 1), None
 
 
 # ----------------------------------------------------------------------------------------------- Ollama

@@ -64,6 +64,37 @@ def _same_format_comparisons(card: dict) -> list[str]:
     return [""] + lines if lines else []
 
 
+def _kv_cache_table(card: dict) -> list[str]:
+    """Each file again with a quantized KV cache (--kv-cache), on the same windows."""
+    measured = [
+        (entry, kv, figures) for entry in card["formats"] for kv, figures in (entry.get("kv_cache") or {}).items()
+    ]
+    if not measured:
+        return []
+    lines = [
+        "",
+        "## KV cache",
+        "",
+        "Each file again with a quantized KV cache in its runtime, on the same windows, with flash attention on "
+        "(llama.cpp quantizes the V cache only with it). KL ratio: the file's mean KL with that cache over its mean "
+        "KL with the 16-bit cache, with a 95% interval paired over the windows; above 1 is the cache's own cost.",
+        "",
+        "| format | KV cache | bytes/value | perplexity change | KLD mean | KL ratio to 16-bit KV | top-1 agree |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for entry, kv, figures in measured:
+        m, spread = figures["metrics"], figures.get("intervals") or {}
+        ratio = f"{figures['kld_ratio']:.2f}x" if "kld_ratio" in figures else "n/a"
+        lines.append(
+            f"| {entry['key']} | {kv} | {figures.get('bytes_per_value') or 0:.4g} | "
+            f"{m['perplexity_increase_pct']:+.2f}%{_interval(spread.get('perplexity_increase_pct'), '{:+.2f}')} | "
+            f"{_num(m.get('kld_mean'), 4)}{_interval(spread.get('kld_mean'), '{:.4f}')} | "
+            f"{ratio}{_interval(figures.get('kld_ratio_interval'), '{:.2f}')} | "
+            f"{_num(m.get('top1_agreement'))}{_interval(spread.get('top1_agreement'), '{:.3f}')} |"
+        )
+    return lines
+
+
 def _tasks_table(card: dict) -> list[str]:
     reference = card["reference"].get("tasks") or {}
     if not reference:
@@ -161,8 +192,11 @@ def _fit_cell(entry: dict, gpu: str) -> str:
         return f"does not run ({generation.capitalize()})"
     fit = entry["memory_fit"][gpu]
     cell = f"{'yes' if fit['fits'] else 'no'} ({fit['largest_context']:,})"
-    if not fit["fits"] and fit.get("fits_with_fp8_kv"):
-        cell += f"; yes with fp8 KV ({fit['largest_context_fp8_kv']:,})"
+    if not fit["fits"] and fit.get("fits_with_quantized_kv"):
+        kv = fit["quantized_kv"]
+        measured = (entry.get("kv_cache") or {}).get(kv)
+        cost = f"KL {measured['kld_ratio']:.2f}x" if measured and "kld_ratio" in measured else "KL cost not measured"
+        cell += f"; yes with {kv} KV ({fit['largest_context_quantized_kv']:,}; {cost})"
     if how == "weights alone":
         cell += "; weights alone"
     return cell
@@ -183,8 +217,10 @@ def _fit_table(card: dict) -> list[str]:
         f"Weights (artifact tensor bytes) + fp16 KV cache "
         f"({fitted[0]['memory_fit'][gpus[0]]['kv_bytes_per_token']:,} bytes per token) must fit in "
         f"{GPU_UTILIZATION:.0%} of the GPU's memory less {RUNTIME_OVERHEAD_GB:g} GB for activations and the "
-        "runtime. Each cell: fits or not, and the largest context that fits; where only an fp8 KV cache "
-        "(vLLM's `--kv-cache-dtype fp8`) fits, the cell says so; where vLLM's kernels for the format do not run on "
+        "runtime. Each cell: fits or not, and the largest context that fits; where only a quantized KV cache "
+        "fits (vLLM's `--kv-cache-dtype fp8`; llama.cpp's `-ctk/-ctv q8_0`, or the type measured with --kv-cache), "
+        "the cell says so, with the file's mean KL with that cache as a multiple of its KL with the 16-bit one "
+        "where it was measured; where vLLM's kernels for the format do not run on "
         "the GPU's generation, or run its weights alone, the cell says that instead or too.",
         "",
         "| format | " + " | ".join(gpus) + " |",
@@ -250,6 +286,7 @@ def render_markdown(card: dict) -> str:
             f"{_num(m.get('top1_agreement'), 3)}"
             f"{_interval(spread.get('top1_agreement'), '{:.3f}')} | {entry['how']['runtime']} |"
         )
+    lines += _kv_cache_table(card)
     lines += _tasks_table(card)
     lines += _speed_table(card)
     lines += _fit_table(card)

@@ -50,6 +50,7 @@ from .rundir import (
     RunDir,
     evaluate_stage,
     intermediate_stage,
+    kv_cache_stage,
     quantize_stage,
     speed_stage,
     tasks_stage,
@@ -209,6 +210,7 @@ def make_plan(request: BuildRequest) -> Plan:
         reason = choice.backend.unavailable_reason()
         if reason:
             raise QuantforgeError(f"format {choice.format.name} needs backend {choice.backend.name}: {reason}")
+    check_kv_caches(values["kv_cache"] or [], choices)
     tasks = plan_tasks(values)
     speed = None
     if values["speed"]:
@@ -238,6 +240,21 @@ def make_plan(request: BuildRequest) -> Plan:
         device,
         values,
     )
+
+
+def check_kv_caches(asked: list[str], choices: list[Choice]) -> None:
+    """Each asked KV-cache type is one that a chosen format's runtime offers (one line otherwise)."""
+    offered: dict[str, None] = {}
+    for choice in choices:
+        offered.update(dict.fromkeys(choice.backend.kv_cache_types(choice.format)))
+    unknown = [kv for kv in asked if kv not in offered]
+    if unknown and not offered:
+        raise QuantforgeError(
+            f"--kv-cache {','.join(asked)}: none of the formats asked runs where quantforge can quantize the KV "
+            "cache (llama.cpp's: add a GGUF format, or leave --kv-cache out)"
+        )
+    if unknown:
+        raise QuantforgeError(f"unknown --kv-cache type {unknown[0]!r}: use {', '.join(offered)}")
 
 
 def plan_tasks(values: dict) -> dict:
@@ -469,6 +486,8 @@ class Build:
         self.refuse_unsupported(choice)
         with self.contained(choice, "evaluate"):
             self.evaluate(choice, made, prepared.windows, prepared.reference)
+            for kv_cache in kv_caches(self.plan, choice):
+                self.evaluate(choice, made, prepared.windows, prepared.reference, kv_cache)
             if self.plan.speed:
                 self.speed(
                     choice.key,
@@ -1026,15 +1045,27 @@ class Build:
 
     # -- measure: one format's figures (with tasks and speed above) ----------------------------------------------------
 
-    def evaluate(self, choice: Choice, made: Made, windows: np.ndarray, reference_path: Path) -> None:
-        path = self.paths.evaluation(choice.key)
+    def evaluate(
+        self, choice: Choice, made: Made, windows: np.ndarray, reference_path: Path, kv_cache: str | None = None
+    ) -> None:
+        """Score the artifact from disk on the windows (and its tasks); with ``kv_cache``, score it again with that
+        quantized KV cache in its runtime (a stage of its own, no tasks)."""
+        if kv_cache:
+            path, stage, name = (
+                self.paths.kv_cache_evaluation(choice.key, kv_cache),
+                kv_cache_stage(choice.key, kv_cache),
+                f"{choice.key} with a {kv_cache} KV cache",
+            )
+        else:
+            path, stage, name = self.paths.evaluation(choice.key), evaluate_stage(choice.key), choice.key
+        progress_name = f"{choice.key}-kv-{kv_cache}" if kv_cache else choice.key
         artifact_dir = made.folder
-        context = max(int(windows.shape[1]), TASK_CONTEXT if self.plan.tasks["names"] else 0)
+        context = max(int(windows.shape[1]), TASK_CONTEXT if self.plan.tasks["names"] and not kv_cache else 0)
 
         def open_runner():
             from .runner_process import ChildRunner
 
-            log = self.paths.log(f"evaluate-{choice.key}")
+            log = self.paths.log(f"evaluate-{choice.key}" + (f"-kv-{kv_cache}" if kv_cache else ""))
             with capture_output(log):  # the child's output (the runtime's own lines) goes to the format's log
                 return ChildRunner(
                     choice.backend.name,
@@ -1043,6 +1074,7 @@ class Build:
                     threads=self.plan.threads,
                     device=self.plan.device,
                     log_path=log,
+                    kv_cache=kv_cache,
                 )
 
         inputs = {
@@ -1054,14 +1086,14 @@ class Build:
 
             def produce():
                 refs = load_reference(reference_path)
-                with self.ui.task(f"evaluate {choice.key} ({runner.get().runtime})", total=len(windows)) as advance:
+                with self.ui.task(f"evaluate {name} ({runner.get().runtime})", total=len(windows)) as advance:
                     loaded, first = runner.get(), self.plan.eval.first_scored
                     summary = score_artifact(
                         partial(scored_logit_blocks, loaded, first=first),  # each window is scored before the next
                         windows,
                         refs,
                         advance,
-                        progress_path=self.progress_path(choice.key, inputs),
+                        progress_path=self.progress_path(progress_name, inputs),
                         first=first,
                     )
                 summary.update(
@@ -1069,18 +1101,16 @@ class Build:
                     threads=self.plan.threads,
                     flash_attn=getattr(runner.get(), "flash_attn", None),
                 )
+                if kv_cache:
+                    summary["kv_cache"] = kv_cache
+                    summary["kv_bytes_per_value"] = choice.backend.kv_cache_types(choice.format)[kv_cache]
                 atomic_write_json(path, summary)
                 return summary
 
-            self.stage(
-                evaluate_stage(choice.key),
-                f"evaluate {choice.key}",
-                inputs=inputs,
-                settings={"threads": self.plan.threads},
-                outputs=[path],
-                produce=produce,
-            )
-            self.tasks(choice.key, runner, made.stage)
+            settings = {"threads": self.plan.threads, **({"kv_cache": kv_cache} if kv_cache else {})}
+            self.stage(stage, f"evaluate {name}", inputs=inputs, settings=settings, outputs=[path], produce=produce)
+            if not kv_cache:
+                self.tasks(choice.key, runner, made.stage)
 
     # -- stage plumbing ------------------------------------------------------------------------------------------------
 
@@ -1139,6 +1169,12 @@ def last_log_line(log: Path) -> str:
     return lines[-1].strip()[:300] if lines else "no output"
 
 
+def kv_caches(plan: Plan, choice: Choice) -> list[str]:
+    """The asked quantized KV-cache types (--kv-cache) that the runtime of ``choice`` offers."""
+    offered = choice.backend.kv_cache_types(choice.format)
+    return [kv for kv in plan.settings.get("kv_cache") or [] if kv in offered]
+
+
 def runs_llamacpp(plan: Plan) -> bool:
     return any(c.format.family == "gguf" for c in plan.choices)
 
@@ -1165,6 +1201,7 @@ def resource_plan(plan: Plan, facts: dict, host) -> dict:
         speed_gen_tokens=plan.speed["gen_tokens"] if plan.speed else 0,
         intermediates=frozenset(name for c in plan.choices for name in c.backend.intermediates(c.format)),
         calibration_seqlen=plan.calibration.seqlen if plan.needs_calibration else 0,
+        kv_caches={c.key: kv_caches(plan, c) for c in plan.choices if kv_caches(plan, c)},
         tasks=list(plan.tasks["names"]),
         device=plan.device,
         quantize_dtype=plan.quantize["dtype"],

@@ -31,6 +31,7 @@ from .rundir import (
     RunDir,
     evaluate_stage,
     intermediate_stage,
+    kv_cache_stage,
     quantize_stage,
     speed_stage,
     tasks_stage,
@@ -151,7 +152,7 @@ class Unit:
 UNIT_STAGES = {  # the stages a unit runs, as prefixes of their manifest keys ({key}: the unit's format)
     "prepare": (TOKENS, REFERENCE, tasks_stage(REFERENCE), speed_stage(REFERENCE), HOST, CALIBRATION),
     "quantize": (intermediate_stage(""), quantize_stage("{key}")),
-    "evaluate": (evaluate_stage("{key}"), tasks_stage("{key}"), speed_stage("{key}")),
+    "evaluate": (evaluate_stage("{key}"), kv_cache_stage("{key}"), tasks_stage("{key}"), speed_stage("{key}")),
     "card": ("card",),
     "push": (),
 }
@@ -182,7 +183,7 @@ def _resource_plan(plan) -> dict | None:
 def plan_release(release: Release) -> tuple[list[Unit], dict]:
     """Every unit with its dependencies, resources and whether the run's manifest already holds its work."""
     from .manifest import Manifest
-    from .pipeline import make_plan
+    from .pipeline import kv_caches, make_plan
 
     units, plans = [], {}
     for model in release.models:
@@ -214,7 +215,9 @@ def plan_release(release: Release) -> tuple[list[Unit], dict]:
                 "evaluate",
                 choice.key,
                 [quantize.id],
-                evaluate_stage(choice.key) in stages and (not plan.speed or speed_stage(choice.key) in stages),
+                evaluate_stage(choice.key) in stages
+                and all(kv_cache_stage(choice.key, kv) in stages for kv in kv_caches(plan, choice))
+                and (not plan.speed or speed_stage(choice.key) in stages),
             )
             units += [quantize, evaluate]
             evaluations.append(evaluate.id)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import QuantforgeError
@@ -24,6 +24,7 @@ from .rundir import (
     REFERENCE,
     evaluate_stage,
     intermediate_stage,
+    kv_cache_stage,
     quantize_stage,
     speed_stage,
     tasks_stage,
@@ -335,6 +336,7 @@ class PlanInputs:
     speed_gen_tokens: int = 64  # tokens a probe run generates
     intermediates: frozenset = frozenset()  # the shared files the formats need: "gguf-f16", "imatrix"
     calibration_seqlen: int = 0  # tokens a calibration sequence holds (llama-imatrix's window)
+    kv_caches: dict = field(default_factory=dict)  # key -> the quantized KV-cache types its file is measured with
 
 
 def process_base_bytes(size: ModelSize) -> int:
@@ -635,6 +637,9 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
             held = artifact + _llama_window_bytes(size, inputs.context) + (0 if offload else _repacked_bytes(size, key))
             rows = min(inputs.context, LOGIT_ROWS)
             stages.append(runtime_stage(evaluate_stage(key), "llama.cpp", seconds, held, rows, tasks=False))
+            # the file again with a quantized KV cache: the same work (measured: SmolLM2, q8_0 0.98x the time)
+            for kv_cache in inputs.kv_caches.get(key, ()):
+                stages.append(runtime_stage(kv_cache_stage(key, kv_cache), "llama.cpp", seconds, held, rows, False))
             for task in inputs.tasks:
                 seconds = FIXED_SECONDS["evaluate"]
                 stages.append(runtime_stage(tasks_stage(key, task), "llama.cpp", seconds, held, task_rows, True))

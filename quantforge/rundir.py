@@ -5,7 +5,8 @@
       source.json              what fetch resolved
       card.json card.md card.html
       artifacts/<key>/         one folder per format: the files its runtime loads, README.md, licence, Modelfile
-      evals/<key>.json         per-window perplexity and KL; evals/tasks/<key>/<task>.json; evals/speed/<key>.json
+      evals/<key>.json         per-window perplexity and KL; evals/tasks/<key>/<task>.json; evals/speed/<key>.json;
+                               evals/kv-cache/<key>/<type>.json (the file with a quantized KV cache)
       work/                    files shared by stages: evaluation windows, reference logits, calibration tokens,
                                host facts, probe prompt, intermediates, checkpoints/<key>/, progress/
       logs/                    library output, a file per stage
@@ -38,6 +39,11 @@ def quantize_stage(key: str) -> str:
 
 def evaluate_stage(key: str) -> str:
     return f"evaluate/{key}"
+
+
+def kv_cache_stage(key: str, kv_cache: str = "") -> str:
+    """``key``'s file evaluated with a quantized KV cache (--kv-cache); without a type, the prefix of all of them."""
+    return f"kv-cache/{key}/{kv_cache}"
 
 
 def tasks_stage(key: str, task: str = "") -> str:
@@ -110,6 +116,9 @@ class RunDir:
 
     def evaluation(self, key: str) -> Path:
         return self.root / "evals" / f"{key}.json"
+
+    def kv_cache_evaluation(self, key: str, kv_cache: str) -> Path:
+        return self.root / "evals" / "kv-cache" / key / f"{kv_cache}.json"
 
     def tasks(self, key: str, task: str) -> Path:
         return self.root / "evals" / "tasks" / key / f"{task}.json"

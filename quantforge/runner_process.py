@@ -96,7 +96,17 @@ class ChildRunner:
     ``scored_logits`` as the runtime's own, each a request to the child. A child that ends without answering
     raises one line saying how it ended; an exception in it comes back as one line."""
 
-    def __init__(self, backend: str, artifact_dir: Path, *, context: int, threads: int, device: str, log_path: Path):
+    def __init__(
+        self,
+        backend: str,
+        artifact_dir: Path,
+        *,
+        context: int,
+        threads: int,
+        device: str,
+        log_path: Path,
+        kv_cache: str | None = None,
+    ):
         self.log_path = log_path
         self.buffer = LogitsBuffer(shared_memory_file())
         try:
@@ -106,6 +116,8 @@ class ChildRunner:
             raise
         self.busy = False  # a request is out and its answer not yet read
         spec = {"backend": backend, "artifact": str(artifact_dir), "context": context, "threads": threads}
+        if kv_cache:
+            spec["kv_cache"] = kv_cache
         try:
             self._ask({**spec, "device": device, "buffer_fd": self.buffer.fd})
             ready = self._answer()["ready"]
@@ -198,8 +210,10 @@ def _open_runner(spec: dict):
         from .memory import import_transformers_slim
 
         import_transformers_slim()  # as in the build process: the same modules, and 0.2 GB less
+    # a quantized KV cache only where asked: backends without one (kv_cache_types) take no such argument
+    options = {"kv_cache": spec["kv_cache"]} if spec.get("kv_cache") else {}
     return backend.open_runner(
-        Path(spec["artifact"]), context=spec["context"], threads=spec["threads"], device=spec["device"]
+        Path(spec["artifact"]), context=spec["context"], threads=spec["threads"], device=spec["device"], **options
     )
 
 

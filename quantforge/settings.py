@@ -51,6 +51,10 @@ SETTINGS: tuple[Setting, ...] = (
             "--tasks-data is given; gsm8k: greedy generation, exact match).", "eval.tasks"),
     Setting("tasks_data", "path", None, "--tasks-data", "Folder holding the tasks' data files.", "eval.tasks_data"),
     Setting("limit", "int", None, "--limit", "Examples per task (default: all).", "eval.limit"),
+    Setting("kv_cache", "list", None, "--kv-cache",
+            "Quantized KV-cache types to measure each GGUF with (llama.cpp's q8_0, q4_0): the KL each costs on the "
+            "same windows goes on the card, and the memory fit and llama-server commands may use the measured one "
+            "(default: none).", "eval.kv_cache"),
     Setting("speed", "bool", True, "--speed/--no-speed", "Run the decode-speed probe (default on).", "speed"),
     Setting("prompt_tokens", "int", 128, "--prompt-tokens", "Speed probe prompt length (default 128).",
             "eval.prompt_tokens"),

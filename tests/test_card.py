@@ -198,6 +198,37 @@ def test_memory_fit_on_a_gpu(mixed_run, tiny_llama):
 
 
 @pytest.mark.parametrize(
+    "key, kv_cache, flags",
+    [("gguf-q8_0", "q8_0", "-fa on -ctk q8_0 -ctv q8_0"), ("int8", "fp8", "--kv-cache-dtype fp8")],
+)
+def test_where_only_a_quantized_kv_cache_fits_the_fit_and_commands_take_the_runtimes_own(
+    mixed_run, key, kv_cache, flags
+):
+    """A GPU whose memory holds the file and 3/4 of a 16-bit KV cache: llama.cpp's q8_0 cache (34/32 bytes a value)
+    and vLLM's fp8 one fit, the memory-fit cell and the serve command say so, and (not measured in this run) the
+    GGUF's model card says its KL cost was not measured."""
+    context, concurrency = "8192", "64"
+    entry = next(
+        e
+        for e in card_with(mixed_run, "--gpu", "H100", "--context", context, "--concurrency", concurrency)["formats"]
+        if e["key"] == key
+    )
+    fit = entry["memory_fit"]["H100"]
+    usable = entry["quantize"]["tensor_bytes"] + 0.75 * fit["kv_bytes_per_token"] * int(context) * int(concurrency)
+    gpu = f"{(usable + 1e9) / 0.9e9:.9f}GB"  # the card's GPU_UTILIZATION and RUNTIME_OVERHEAD_GB, as it states them
+    card = card_with(
+        mixed_run, "--gpu", gpu, "--context", context, "--concurrency", concurrency, "--max-ppl-increase", "1000"
+    )
+    [fit] = next(e for e in card["formats"] if e["key"] == key)["memory_fit"].values()
+    assert not fit["fits"] and fit["fits_with_quantized_kv"] and fit["quantized_kv"] == kv_cache
+    assert f"yes with {kv_cache} KV" in (mixed_run / "card.md").read_text()
+    usage = (mixed_run / "artifacts" / key / "README.md").read_text()
+    assert flags in usage
+    if key.startswith("gguf"):
+        assert "its cost in KL was not measured (build with --kv-cache q8_0)" in usage
+
+
+@pytest.mark.parametrize(
     "flags, message",
     [
         (["--max-size", "-1"], "--max-size must not be negative"),

@@ -17,8 +17,8 @@ from quantforge.deploy import (
     llama_cli_command,
     llama_server_command,
     memory_fit,
+    serving,
     vllm_command,
-    vllm_serving,
 )
 from quantforge.errors import QuantforgeError
 
@@ -34,13 +34,13 @@ def _flags(command: str) -> list[str]:
     return [word for word in command.split() if word.startswith("-")]
 
 
-@pytest.mark.parametrize("fp8_kv", [False, True])
-def test_vllm_command_uses_only_flags_vllm_declares_and_never_pins_the_kernel(vllm_source, fp8_kv):
-    command = vllm_command("tiny-gptq-int4", 4096, fp8_kv)
+@pytest.mark.parametrize("kv_cache", [None, "fp8"])
+def test_vllm_command_uses_only_flags_vllm_declares_and_never_pins_the_kernel(vllm_source, kv_cache):
+    command = vllm_command("tiny-gptq-int4", 4096, kv_cache)
     assert command.startswith("vllm serve ./tiny-gptq-int4 ")
     assert set(_flags(command)) <= _vllm_flags(vllm_source)
     assert "--quantization" not in command and "-q" not in _flags(command)
-    if fp8_kv:
+    if kv_cache:
         cache = vllm_source("vllm/config/cache.py")
         literal = cache[cache.index("CacheDType = Literal[") : cache.index("]", cache.index("CacheDType = Literal["))]
         assert '"fp8"' in literal
@@ -60,13 +60,24 @@ def test_memory_fit_offers_an_fp8_kv_cache_when_fp16_does_not_fit():
     config = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "max_position_embeddings": 131072}
     gpu = GPU("24 GB GPU", 24.0, None)
     fit = memory_fit(int(17e9), config, gpu, context=32768, concurrency=1)  # KV: 4.3 GB fp16, 2.1 GB fp8
-    assert not fit["fits"] and fit["fits_with_fp8_kv"]
-    assert abs(fit["largest_context_fp8_kv"] - 2 * fit["largest_context"]) <= 1
-    assert vllm_serving(fit, 32768) == (32768, True)
+    assert not fit["fits"] and fit["fits_with_quantized_kv"] and fit["quantized_kv"] == "fp8"
+    assert abs(fit["largest_context_quantized_kv"] - 2 * fit["largest_context"]) <= 1
+    assert serving(fit, 32768) == (32768, "fp8")
     tight = memory_fit(int(19e9), config, gpu, context=32768, concurrency=1)
-    assert not tight["fits_with_fp8_kv"]
-    assert vllm_serving(tight, 32768) == (tight["largest_context"], False)
-    assert vllm_serving(None, 4096) == (4096, False)
+    assert not tight["fits_with_quantized_kv"]
+    assert serving(tight, 32768) == (tight["largest_context"], None)
+    assert serving(None, 4096) == (4096, None)
+
+
+def test_memory_fit_of_a_gguf_falls_back_to_llama_cpps_q8_0_kv_cache():
+    """llama.cpp's q8_0 cache: 34 bytes per 32 values (a one-byte quant each and a 16-bit scale per block)."""
+    config = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "max_position_embeddings": 131072}
+    gpu = GPU("24 GB GPU", 24.0, None)
+    fit = memory_fit(int(17e9), config, gpu, context=32768, concurrency=1, quantized_kv=("q8_0", 34 / 32))
+    assert fit["kv_bytes_per_token"] == 131072  # 32 layers x 8 heads x 128 x (K, V) x 2 bytes
+    # 65,536 cached values per token at 34/32 bytes: 69,632 bytes; 3.6 GB left for the cache (24 x 0.9 - 1 - 17)
+    assert fit["largest_context_quantized_kv"] == 3_600_000_000 // 69_632 == 51_700
+    assert serving(fit, 32768) == (32768, "q8_0")
 
 
 # ----------------------------------------------------------------------------------------------- llama.cpp
@@ -97,7 +108,9 @@ def _llama_cpp_options() -> dict[str, tuple[set[str], set[str]]]:
     "command, example",
     [
         (llama_server_command("model-Q4_K_M.gguf", 4096), "LLAMA_EXAMPLE_SERVER"),
+        (llama_server_command("model-Q4_K_M.gguf", 4096, "q8_0"), "LLAMA_EXAMPLE_SERVER"),
         (llama_cli_command("model-Q4_K_M.gguf", 4096), "LLAMA_EXAMPLE_CLI"),
+        (llama_cli_command("model-Q4_K_M.gguf", 4096, "q4_0"), "LLAMA_EXAMPLE_CLI"),
     ],
 )
 def test_llama_cpp_commands_use_options_of_that_program(command, example):
@@ -107,6 +120,19 @@ def test_llama_cpp_commands_use_options_of_that_program(command, example):
         assert flag in options, f"{flag} is not an option of llama.cpp"
         declared, excluded = options[flag]
         assert (example in declared or "LLAMA_EXAMPLE_COMMON" in declared) and example not in excluded, flag
+
+
+def test_the_kv_cache_types_we_offer_are_llama_cpps_and_take_flash_attention_on():
+    """Each KV type quantforge measures (and writes after -ctk/-ctv) is in arg.cpp's list of cache types, and
+    "on" is a value -fa declares."""
+    from quantforge.backends.llamacpp import KV_CACHE_BYTES
+    from quantforge.llamacpp_convert import converter_dir
+
+    arg_cpp = (converter_dir() / "common" / "arg.cpp").read_text()
+    table = arg_cpp[arg_cpp.index("kv_cache_types = {") : arg_cpp.index("};", arg_cpp.index("kv_cache_types = {"))]
+    assert {f"GGML_TYPE_{kv.upper()}" for kv in KV_CACHE_BYTES} <= set(re.findall(r"GGML_TYPE_\w+", table))
+    values = re.search(r'\{ "-fa", "--flash-attn" \}, "\[([a-z|]+)\]"', arg_cpp)
+    assert values and "on" in values.group(1).split("|")
 
 
 # ----------------------------------------------------------------------------------------------- chat templates

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -209,6 +210,17 @@ def test_second_half_scoring_keeps_the_default_runs_figures_at_those_positions(t
 RUNNING_PERPLEXITY = re.compile(r"\[(\d+)\](\d+\.\d+),")  # llama-perplexity's "[1]41.2345,[2]..."
 
 
+def _llama_perplexity(gguf: Path, context: int, windows: int, *flags: str) -> list[float]:
+    """llama-perplexity's running perplexity after each window of the text file, as it prints it."""
+    from quantforge.llamacpp_tools import require_tool
+
+    command = [str(require_tool("llama-perplexity")), "-m", str(gguf), "-f", str(WIKITEXT), "-c", str(context)]
+    command += ["-b", str(context), "--chunks", str(windows), "-t", "2", *flags]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [float(value) for _, value in RUNNING_PERPLEXITY.findall(done.stdout + done.stderr)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gemma3", "llama"])  # a tokenizer that adds BOS (Gemma's layout), one that does not
 def test_second_half_scoring_equals_llama_perplexity_window_by_window(kind, tiny_model, tmp_path):
@@ -216,30 +228,35 @@ def test_second_half_scoring_equals_llama_perplexity_window_by_window(kind, tiny
     the same F16 file and text file: its running perplexity after each window equals ours to the digits it prints.
     With BOS, llama-perplexity cuts BOS + text every ``context`` tokens and overwrites each cut's first token with
     BOS; quantforge once took ``context - 1`` fresh text tokens per window, so from the second window on it scored
-    other tokens."""
-    from quantforge.llamacpp_tools import require_tool
+    other tokens.
 
+    Issue 37: the same file measured with a q8_0 KV cache (--kv-cache) is llama-perplexity's with
+    ``-fa on -ctk q8_0 -ctv q8_0``, window by window too."""
     context, windows = 128, 4
     run = build_run(
         tiny_model(kind),
         tmp_path / "run",
         *("--formats", "gguf-f16", "--eval-text", str(WIKITEXT), "--ppl-scoring", "second-half"),
         *("--ppl-context", str(context), "--ppl-windows", str(windows), "--threads", "2", "--no-speed"),
+        *("--kv-cache", "q8_0"),
     )
     card = read_json(run / "card.json")
     assert (card["evaluation"]["bos_token_id"] is not None) == (kind == "gemma3")
     [entry] = card["formats"]
     gguf = next((run / entry["artifact"]).glob("*.gguf"))
-    command = [str(require_tool("llama-perplexity")), "-m", str(gguf), "-f", str(WIKITEXT), "-c", str(context)]
-    command += ["-b", str(context), "--chunks", str(windows), "-t", "2", "-fa", "off"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    theirs = [float(value) for _, value in RUNNING_PERPLEXITY.findall(done.stdout + done.stderr)]
-    sums = entry["per_window"]
-    ours = np.exp(np.cumsum(sums["nll"]) / np.cumsum(sums["tokens"]))
-    print(kind, "quantforge", ours, "llama-perplexity", theirs)
-    assert len(theirs) == windows and sums["tokens"] == [context - 1 - context // 2] * windows
-    np.testing.assert_allclose(ours, theirs, rtol=1e-7, atol=6e-5)  # it prints four decimals
+    for flags, sums in [
+        (("-fa", "off"), entry["per_window"]),
+        (
+            ("-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0"),
+            read_json(run / "evals/kv-cache/gguf-f16/q8_0.json")["per_window"],
+        ),
+    ]:
+        theirs = _llama_perplexity(gguf, context, windows, *flags)
+        ours = np.exp(np.cumsum(sums["nll"]) / np.cumsum(sums["tokens"]))
+        print(kind, flags, "quantforge", ours, "llama-perplexity", theirs)
+        assert len(theirs) == windows and sums["tokens"] == [context - 1 - context // 2] * windows
+        np.testing.assert_allclose(ours, theirs, rtol=1e-7, atol=6e-5)  # it prints four decimals
+    assert entry["kv_cache"]["q8_0"]["flash_attn"] is True
 
 
 def test_a_runner_without_a_first_position_still_scores_the_second_half(tiny_llama):
@@ -268,6 +285,20 @@ def test_an_unknown_scoring_convention_is_one_line_naming_the_choices(tiny_llama
     assert result.returncode != 0
     assert "unknown --ppl-scoring 'half': use one of all, second-half" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "formats, kv_cache, line",
+    [
+        ("gguf-q8_0", "q9_0", "unknown --kv-cache type 'q9_0': use q8_0, q4_0"),
+        ("int8", "q8_0", "--kv-cache q8_0: none of the formats asked runs where quantforge can quantize the KV cache"),
+    ],
+)
+def test_a_kv_cache_no_format_offers_is_one_line_before_any_work(formats, kv_cache, line, tiny_llama, tmp_path):
+    run = tmp_path / "run"
+    result = quantforge_cli("build", str(tiny_llama), "--out", str(run), "--formats", formats, "--kv-cache", kv_cache)
+    assert result.returncode == 2 and line in result.stderr
+    assert "Traceback" not in result.stderr and not run.exists()
 
 
 def test_tokenizing_a_prefix_gives_the_whole_texts_first_tokens(smollm2_dir):

@@ -138,6 +138,12 @@ class Backend(abc.ABC):
         "mlx", or a torch quantizer's (resources.QUANTIZER_LIBRARY: "gptq", "awq", "int8", "fp8", "fp4", "nvfp4")."""
         return "gguf" if fmt.family == "gguf" else "gptq"
 
+    def kv_cache_types(self, fmt: Format) -> dict[str, float]:
+        """The quantized KV-cache types the runtime of ``fmt`` offers, each with its bytes per cached value (2 for
+        the default 16-bit cache). ``open_runner`` takes ``kv_cache=TYPE`` for these, and the build measures what
+        each asked one (--kv-cache) costs in KL on the evaluation's windows. None by default."""
+        return {}
+
     def calibrates(self, fmt: Format) -> bool:
         """Whether quantize() reads the run's calibration set for ``fmt`` (a backend may make data-free formats)."""
         return self.needs_calibration

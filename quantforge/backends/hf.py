@@ -157,15 +157,16 @@ class HFFolderBackend(Backend):
         """vLLM's serve command (its context fitted to the card's GPU, when one was named) and a transformers load."""
         import json
 
-        from ..deploy import vllm_command, vllm_serving
+        from ..deploy import serving, vllm_command
 
         quant_config = json.loads((folder / "config.json").read_text()).get("quantization_config", {})
         context = card["targets"]["context"]
         fit = next(iter(entry.get("memory_fit", {}).values()), None) if card["targets"].get("gpu") else None
-        max_len, fp8_kv = vllm_serving(fit, context)
-        usage = ["```bash", vllm_command(folder.name, max_len, fp8_kv), "```"]
-        if fp8_kv:
-            usage += ["", f"An fp16 KV cache of {context} tokens does not fit on {fit['gpu']}; an fp8 one does."]
+        max_len, kv_cache = serving(fit, context)
+        usage = ["```bash", vllm_command(folder.name, max_len, kv_cache), "```"]
+        if kv_cache:
+            held = f"{context} tokens x {fit['concurrency']} sequence(s)"
+            usage += ["", f"An fp16 KV cache of {held} does not fit on {fit['gpu']}; an {kv_cache} one does."]
         refused = (entry.get("quantize") or {}).get("not_runtimes", {}).get("transformers")
         if refused:
             usage += ["", f"transformers does not load this folder: {refused}."]

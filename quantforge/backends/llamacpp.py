@@ -103,11 +103,18 @@ def fallback_tensors(quantizer_output: str) -> int:
 
 LOGIT_ROWS = 256  # positions decoded at a time by the evaluation (see docs/design.md for why 256)
 
+# llama.cpp's quantized KV-cache types (llama-server's -ctk/-ctv) and their bytes per cached value: a block of 32
+# values is 32 one-byte (q8_0) or 16 packed 4-bit (q4_0) quants and one 16-bit scale. llama.cpp quantizes the V
+# cache only with flash attention on.
+KV_CACHE_BYTES = {"q8_0": 34 / 32, "q4_0": 18 / 32}
+
 
 class LlamaCppRunner:
     runtime = "llama.cpp"
 
-    def __init__(self, gguf_path: Path, *, context: int, threads: int, device: str = "cpu"):
+    def __init__(
+        self, gguf_path: Path, *, context: int, threads: int, device: str = "cpu", kv_cache: str | None = None
+    ):
         wait_briefly()
         import llama_cpp
         from llama_cpp import Llama
@@ -119,7 +126,18 @@ class LlamaCppRunner:
         if gpu["n_gpu_layers"]:
             self.runtime = "llama.cpp (CUDA)"
 
-        self.flash_attn = False  # matches the float reference; llama.cpp's default in llama-cpp-python
+        # Off by default: it matches the float reference, and it is llama-cpp-python's default. A quantized V cache
+        # needs it (llama.cpp refuses one without), so a quantized KV cache is measured with it on.
+        self.flash_attn = kv_cache is not None
+        self.kv_cache = kv_cache or "f16"
+        cache = {}
+        if kv_cache is not None:
+            if kv_cache not in KV_CACHE_BYTES:
+                raise QuantforgeError(
+                    f"unknown KV-cache type {kv_cache!r}: llama.cpp's are {', '.join(KV_CACHE_BYTES)}"
+                )
+            ggml_type = getattr(llama_cpp, f"GGML_TYPE_{kv_cache.upper()}")
+            cache = {"type_k": ggml_type, "type_v": ggml_type}
         self.threads = threads
         self.llm = Llama(
             str(gguf_path),
@@ -134,6 +152,7 @@ class LlamaCppRunner:
             logits_all=True,
             flash_attn=self.flash_attn,
             verbose=False,
+            **cache,
             **gpu,
         )
 
@@ -253,22 +272,36 @@ class LlamaCppBackend(Backend):
     def artifact_file(self, artifact_dir: Path) -> Path:
         return gguf_file_in(artifact_dir)
 
-    def open_runner(self, artifact_dir: Path, *, context: int, threads: int, device: str = "cpu") -> LogitsRunner:
+    def kv_cache_types(self, fmt: Format) -> dict[str, float]:
+        return dict(KV_CACHE_BYTES)
+
+    def open_runner(
+        self, artifact_dir: Path, *, context: int, threads: int, device: str = "cpu", kv_cache: str | None = None
+    ) -> LogitsRunner:
         from ..artifacts import gguf_tensors
 
-        gguf_tensors(self.artifact_file(artifact_dir))  # a damaged file gets a clear error, not a crash in C
-        return LlamaCppRunner(self.artifact_file(artifact_dir), context=context, threads=threads, device=device)
+        gguf = self.artifact_file(artifact_dir)
+        gguf_tensors(gguf)  # a damaged file gets a clear error, not a crash in C
+        return LlamaCppRunner(gguf, context=context, threads=threads, device=device, kv_cache=kv_cache)
 
     def probe_target(self, artifact_dir: Path) -> tuple[str, Path]:
         return "llama.cpp", self.artifact_file(artifact_dir)
 
     def deployment(self, folder: Path, card: dict, entry: dict, chat: tuple[str | None, dict]) -> Deployment:
         """The llama.cpp commands and an Ollama Modelfile (with a TEMPLATE when the chat template converts)."""
-        from ..deploy import chat_template_to_ollama, llama_cli_command, llama_server_command, modelfile, ollama_command
+        from ..deploy import (
+            chat_template_to_ollama,
+            llama_cli_command,
+            llama_server_command,
+            modelfile,
+            ollama_command,
+            serving,
+        )
         from ..fsutil import atomic_write_text
 
         template, special = chat
-        context = card["targets"]["context"]
+        fit = next(iter(entry.get("memory_fit", {}).values()), None) if card["targets"].get("gpu") else None
+        context, kv_cache = serving(fit, card["targets"]["context"])
         gguf = sorted(folder.glob("*.gguf"))[0]
         go_template, stops, note = None, [special["eos_token"]] if special.get("eos_token") else [], None
         if template:
@@ -283,12 +316,35 @@ class LlamaCppBackend(Backend):
         atomic_write_text(folder / "Modelfile", modelfile(gguf.name, go_template, stops, context))
         usage = [
             "```bash",
-            llama_server_command(gguf.name, context),
-            llama_cli_command(gguf.name, context),
+            llama_server_command(gguf.name, context, kv_cache),
+            llama_cli_command(gguf.name, context, kv_cache),
             ollama_command(f"{card['model']['name']}-{entry['format']}"),
             "```",
         ]
+        usage += _kv_cache_notes(entry, fit, kv_cache)
         return Deployment("gguf", ["gguf"], {}, usage + (["", note] if note else []))
+
+
+def _kv_cache_notes(entry: dict, fit: dict | None, chosen: str | None) -> list[str]:
+    """What the server command's KV cache is and what it costs, or what a measured quantized one would cost."""
+    measured = entry.get("kv_cache") or {}
+
+    def cost(kv: str) -> str:
+        figures = measured.get(kv)
+        if not figures or "kld_ratio" not in figures:
+            return "its cost in KL was not measured (build with --kv-cache " + kv + ")"
+        return f"mean KL {figures['kld_ratio']:.2f}x the 16-bit cache's on the card's windows"
+
+    if chosen:
+        held = f"{fit['context']} tokens x {fit['concurrency']} sequence(s)"
+        line = f"A 16-bit KV cache of {held} does not fit on {fit['gpu']}; a {chosen} one does: "
+        return ["", line + cost(chosen) + "."]
+    lines = []
+    for kv, figures in measured.items():
+        flags = f"`-fa on -ctk {kv} -ctv {kv}`"
+        size = f"{figures['bytes_per_value']:.3g} bytes per cached value instead of 2"
+        lines += ["", f"With a {kv} KV cache ({flags}, {size}): {cost(kv)}."]
+    return lines
 
 
 def gguf_adds_bos(path: Path) -> bool:
