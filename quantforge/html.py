@@ -3,6 +3,8 @@
 - card-quality.png: quality loss (mean KL divergence) against artifact size, the Pareto front marked: the formats
   for which no other format is both smaller and closer to the reference.
 - card-speed.png: measured decode speed on this host against the memory-bandwidth bound of each format.
+- card-search.png (a run with gguf-auto): every candidate of the search by size and KL divergence, the confirmed
+  ones and the chosen file, beside the run's other GGUF files.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from .rundir import CARD_HTML
 
 QUALITY_PNG = "card-quality.png"
 SPEED_PNG = "card-speed.png"
+SEARCH_PNG = "card-search.png"
 
 
 def _save(figure, path: Path) -> None:
@@ -53,6 +56,52 @@ def plot_quality(card: dict, path: Path) -> None:
         axes.set_yscale("log")
     _save(figure, path)
     plt.close(figure)
+
+
+def plot_search(card: dict, path: Path) -> bool:
+    """gguf-auto's candidates (KL on the search's first windows), its confirmations and choice (on every window),
+    and the run's other GGUF files (every window). False when the run has no search."""
+    searched = [e for e in card["formats"] if (e.get("quantize") or {}).get("search")]
+    if not searched:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for entry in searched:
+        search = entry["quantize"]["search"]
+        few = [c for c in search["candidates"] if c["windows"] == search["sensitivity_windows"]]
+        axes.scatter(
+            [c["size_bytes"] / 1e6 for c in few], [c["kld_mean"] for c in few], s=14, color="tab:gray",
+            label=f"candidates (first {search['sensitivity_windows']} windows)",
+        )  # fmt: skip
+        confirmed = search["confirmed"]
+        axes.scatter(
+            [c["size_bytes"] / 1e6 for c in confirmed], [c["kld_mean"] for c in confirmed], s=40,
+            color="tab:orange", label=f"confirmed ({search['windows']} windows)", zorder=3,
+        )  # fmt: skip
+        if search.get("target_kld") is not None:
+            axes.axhline(search["target_kld"], color="tab:red", linestyle=":", label="--max-kld")
+    uniform = [
+        e
+        for e in card["formats"]
+        if e.get("complete") and e.get("family") == "gguf" and e.get("metrics", {}).get("kld_mean")
+    ]
+    for entry in uniform:
+        size, loss = entry["size_bytes"] / 1e6, entry["metrics"]["kld_mean"]
+        axes.scatter(size, loss, s=50, color="tab:blue", marker="D", zorder=4)
+        axes.annotate(entry["key"], (size, loss), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    axes.set_xlabel("file size (MB)")
+    axes.set_ylabel("mean KL divergence vs reference")
+    axes.set_title(f"{card['model']['name']}: gguf-auto's search")
+    axes.set_yscale("log")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    _save(figure, path)
+    plt.close(figure)
+    return True
 
 
 def plot_speed(card: dict, path: Path) -> bool:
@@ -148,6 +197,8 @@ def write_html(run_dir: Path, card: dict) -> None:
     ]
     if has_speed:
         figures.append(f'<h2>Speed against the roofline</h2><img src="{SPEED_PNG}" alt="decode speed and roofline">')
+    if plot_search(card, run_dir / SEARCH_PNG):
+        figures.append(f'<h2>gguf-auto: the search</h2><img src="{SEARCH_PNG}" alt="candidates by size and KL">')
     page = (
         f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>quantforge card: '
         f"{html.escape(card['model']['name'])}</title><style>{STYLE}</style></head><body>\n{body}\n"

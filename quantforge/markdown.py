@@ -64,6 +64,46 @@ def _same_format_comparisons(card: dict) -> list[str]:
     return [""] + lines if lines else []
 
 
+def _search_section(card: dict) -> list[str]:
+    """What a gguf-auto search measured and chose, and how to remake its file with llama-quantize alone."""
+    lines = []
+    for entry in card["formats"]:
+        facts = entry.get("quantize") or {}
+        search = facts.get("search")
+        if not search:
+            continue
+        target = f"--max-kld {search['target_kld']}" if search.get("target_kld") is not None else "no KL target"
+        if search.get("max_size"):
+            target += f" within {_size(search['max_size'])}"
+        chosen = ", ".join(f"{group} {kind}" for group, kind in sorted(search["chosen"].items())) or "none"
+        lines += [
+            "",
+            f"## {entry['key']}: the searched mix",
+            "",
+            f"Searched for the smallest mix meeting {target} with the upper end of its 95% interval: every group of "
+            f"tensors ({len(search['groups'])}) at {search['base']}, and each group in turn at each other type of "
+            f"{', '.join(search['ladder'])}, scored on the first {search['sensitivity_windows']} windows "
+            f"({len(search['candidates'])} files in all); the changes were taken as additive to choose, and the "
+            f"choice confirmed on all {search['windows']} windows. Changed from {search['base']}: {chosen}.",
+            "",
+            "| try | file | predicted KLD | measured KLD | upper 95% |",
+            "|---|---|---|---|---|",
+        ]
+        for number, tried in enumerate(search["confirmed"], 1):
+            upper = f"{tried['kld_high']:.4f}" if tried.get("kld_high") is not None else "n/a"
+            lines.append(
+                f"| {number} | {_size(tried['size_bytes'])} | {tried['predicted_kld']:.4f} | "
+                f"{tried['kld_mean']:.4f} | {upper} |"
+            )
+        lines += [
+            "",
+            f"The folder holds the tensor-type file llama-quantize read ({facts['tensor_type_file']}). Run in the "
+            f"run's work/ folder, beside its F16 GGUF and importance matrix, `{facts['reproduce']}` remakes the file "
+            "byte for byte.",
+        ]
+    return lines
+
+
 def _kv_cache_table(card: dict) -> list[str]:
     """Each file again with a quantized KV cache (--kv-cache), on the same windows."""
     measured = [
@@ -286,6 +326,7 @@ def render_markdown(card: dict) -> str:
             f"{_num(m.get('top1_agreement'), 3)}"
             f"{_interval(spread.get('top1_agreement'), '{:.3f}')} | {entry['how']['runtime']} |"
         )
+    lines += _search_section(card)
     lines += _kv_cache_table(card)
     lines += _tasks_table(card)
     lines += _speed_table(card)

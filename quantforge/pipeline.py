@@ -472,7 +472,7 @@ class Build:
         self.refuse_unsupported(choice)
         with self.contained(choice, "quantize"):
             self.intermediates(choice, prepared.calibration)
-            return self.quantize(choice, self.parameters, prepared.calibration)
+            return self.quantize(choice, self.parameters, prepared.calibration, self.search_settings(choice, prepared))
 
     def made_earlier(self, choice: Choice) -> Made:
         """A release unit's view of the quantize unit of ``choice``: what its finished stage recorded."""
@@ -976,11 +976,42 @@ class Build:
     def intermediate_path(self, name: str, suffix: str) -> Path:
         return self.paths.intermediate(self.source.name, name, suffix)
 
-    def quantize_job(self, choice: Choice, out: Path, calibration: Path | None, checkpoint_dir: Path | None = None):
+    def search_settings(self, choice: Choice, prepared: Prepared) -> dict | None:
+        """What a searching backend (gguf-auto) measures its candidates on: the run's evaluation windows and
+        reference, and the targets it searches for. None for every other backend."""
+        if not choice.backend.searches:
+            return None
+        from .fsutil import sha256_json
+
+        targets = self.plan.targets
+        # The candidates' measurements depend on the files and windows, not on the targets: kept in a folder named
+        # by those inputs, they serve a later search for other targets too (it then makes only its confirmations).
+        measured_on = {
+            name: self.digest(key)
+            for name, key in (("source", FETCH), ("calibration", CALIBRATION), ("reference", REFERENCE))
+            if self.manifest.stage(key)
+        }
+        return {
+            "folder": str(self.paths.work / "search" / f"{choice.key}-{sha256_json(measured_on)[:16]}"),
+            "windows": str(self.paths.eval_windows),
+            "reference": str(prepared.reference),
+            "first": self.plan.eval.first_scored,
+            "max_kld": targets.max_kld,
+            "max_size": int(targets.max_size_gb * 1e9) if targets.max_size_gb is not None else None,
+        }
+
+    def quantize_job(
+        self,
+        choice: Choice,
+        out: Path,
+        calibration: Path | None,
+        checkpoint_dir: Path | None = None,
+        search: dict | None = None,
+    ):
         return QuantizeJob(
             self.source,
             choice.format,
-            self.plan.quantize,
+            {**self.plan.quantize, **({"search": search} if search else {})},
             out,
             self.recorded_intermediate,
             self.paths.logs,
@@ -1006,7 +1037,7 @@ class Build:
             raise QuantforgeError(f"intermediate {name} was not made before the quantize stage that needs it")
         return self.run_dir / next(iter(record["outputs"]))
 
-    def quantize(self, choice: Choice, parameters: int, calibration: Path | None) -> Made:
+    def quantize(self, choice: Choice, parameters: int, calibration: Path | None, search: dict | None = None) -> Made:
         from .artifacts import measure
 
         artifact_dir = self.paths.artifact(choice.key)
@@ -1020,7 +1051,7 @@ class Build:
                 self.ui.task(f"quantize {choice.key} ({choice.backend.name})") as advance,
                 atomic_output(artifact_dir) as tmp,
             ):
-                job = self.quantize_job(choice, tmp, calibration if uses_calibration else None, checkpoint_dir)
+                job = self.quantize_job(choice, tmp, calibration if uses_calibration else None, checkpoint_dir, search)
                 with (
                     capture_output(log),
                     follow_progress(log, choice.backend.progress_pattern, lambda done, total: advance(done, total + 1)),
@@ -1033,11 +1064,15 @@ class Build:
         inputs = {"source": self.digest(FETCH)}
         if uses_calibration:
             inputs["calibration"] = self.digest(CALIBRATION)
+        searched = {}
+        if search:  # its candidates are scored against the reference, for these targets
+            inputs.update(reference=self.digest(REFERENCE), tokens=self.digest(TOKENS))
+            searched = {"search_targets": {k: search[k] for k in ("max_kld", "max_size")}}
         done = self.stage(
             quantize_stage(choice.key),
             f"quantize {choice.key}",
             inputs=inputs,
-            settings={"format": choice.format.name, "backend": choice.backend.name, **self.plan.quantize},
+            settings={"format": choice.format.name, "backend": choice.backend.name, **self.plan.quantize, **searched},
             outputs=[artifact_dir],
             produce=produce,
         )

@@ -190,6 +190,9 @@ KQUANT_BLOCK = 256
 # issue's full-depth 1.5B (142 s) and 7B (571 s) probes, which the old 3 x GEMM time gave as 48 s and 208 s.
 REFERENCE_PROBE_SLOWDOWN = {"emulated": 7.0, "native": 2.0}
 PROBE_LAYER_SECONDS = 0.0011
+# Tensor kinds a gguf-auto search gives a type each, for a dense decoder: q, k, v, o, gate, up, down, the embedding
+# and an untied output.
+SEARCH_GROUPS = 9
 NARROW_WIDTH = 1024  # hidden size below which llama.cpp's evaluation slows in proportion (fitted, as above)
 
 
@@ -618,14 +621,14 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
         artifact = int(size.parameters * bits / 8)
         if costs == "mlx":
             stages += _mlx_stages(key, size, inputs, artifact, base, flop_seconds, runtime_stage)
-        elif costs == "gguf":
-            seconds = FIXED_SECONDS["quantize/gguf"] + _gguf_quantize_seconds(size, key, max(1, host.threads))
+        elif costs in ("gguf", "gguf-search"):
+            quant_key = "gguf-q4km" if costs == "gguf-search" else key  # a search's candidates are K-quant mixes
+            quantize_seconds = FIXED_SECONDS["quantize/gguf"] + _gguf_quantize_seconds(
+                size, quant_key, max(1, host.threads)
+            )
             # llama.cpp reads, widens and quantizes one tensor at a time, in a child process beside the build's.
             child = int(
                 GGUF_QUANTIZE_PROCESS_BYTES + GGUF_QUANTIZE_BYTES_PER_LARGEST_ELEMENT * largest_tensor_elements(size)
-            )
-            stages.append(
-                _child_stage(quantize_stage(key), seconds, base, int(GGUF_QUANTIZE_PROCESS_BYTES), child, artifact)
             )
             # llama.cpp's evaluation runs further below its kernel's rate on narrow layers (measured: SmolLM2's
             # 576-wide ones at about 0.65 of the rate of Qwen's 896-wide ones, relative to the FLOPs), where the
@@ -634,7 +637,31 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
             work = narrow * eval_tokens * (ggml_seconds or flop_seconds)
             factor = TIME_FACTORS["evaluate/gguf" if ggml_seconds else "evaluate/gguf-by-gemm"]
             seconds = FIXED_SECONDS["evaluate"] + factor * work
-            held = artifact + _llama_window_bytes(size, inputs.context) + (0 if offload else _repacked_bytes(size, key))
+            repacked = 0 if offload else _repacked_bytes(size, quant_key)
+            held = artifact + _llama_window_bytes(size, inputs.context) + repacked
+            if costs == "gguf-search":
+                # gguf-auto's search (backends/ggufauto.py), in the quantize child: its candidates made
+                # and scored on a few windows, one confirmed on all of them, the chosen file made; the child holds
+                # a candidate's runner beside the quantizer's buffers.
+                from .backends.ggufauto import LADDER, SENSITIVITY_WINDOWS
+
+                few = min(SENSITIVITY_WINDOWS, inputs.windows) / max(inputs.windows, 1)
+                rounds = 1 + (len(LADDER) - 1) * SEARCH_GROUPS
+                search = rounds * (quantize_seconds + few * seconds) + quantize_seconds + seconds
+                # it scores in that process: a block of logits and the comparison's scratch, as the build does
+                scoring = _logits_bytes(size, min(inputs.context, LOGIT_ROWS)) + _scoring_bytes(size)
+                stages.append(
+                    _child_stage(
+                        quantize_stage(key), search + quantize_seconds, base, int(GGUF_QUANTIZE_PROCESS_BYTES),
+                        child + held + scoring, artifact,
+                    )
+                )  # fmt: skip
+            else:
+                stages.append(
+                    _child_stage(
+                        quantize_stage(key), quantize_seconds, base, int(GGUF_QUANTIZE_PROCESS_BYTES), child, artifact
+                    )
+                )
             rows = min(inputs.context, LOGIT_ROWS)
             stages.append(runtime_stage(evaluate_stage(key), "llama.cpp", seconds, held, rows, tasks=False))
             # the file again with a quantized KV cache: the same work (measured: SmolLM2, q8_0 0.98x the time)

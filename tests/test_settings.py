@@ -27,6 +27,7 @@ SAMPLE = {
     "tasks": ["arc_easy"],
     "tasks_data": TASKS_DATA,
     "limit": 5,
+    "kv_cache": ["q8_0"],
     "speed": False,
     "prompt_tokens": 32,
     "gen_tokens": 8,

@@ -132,6 +132,9 @@ class Backend(abc.ABC):
     # Whether quantize() loads the model in transformers: its process then imports transformers first, without
     # the packages it never uses (memory.import_transformers_slim). llama.cpp's quantizers need no torch at all.
     quantizes_in_transformers: ClassVar[bool] = True
+    # Whether quantize() searches by measuring candidates: the build then hands it the run's evaluation windows,
+    # reference and targets (``job.settings["search"]``), made before any quantize stage.
+    searches: ClassVar[bool] = False
 
     def cost_model(self, fmt: Format) -> str:
         """Which of the resource plan's measured cost models prices making and running ``fmt``: "gguf" (llama.cpp),
