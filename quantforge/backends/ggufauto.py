@@ -32,14 +32,13 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import QuantforgeError
-from ..fsutil import atomic_write_json
+from ..fsutil import atomic_write_json, remove_path
 from . import Format, QuantizeJob
 from .imatrix import LlamaCppImatrixBackend, _run_tool
 from .llamacpp import GGUF_RUNTIMES, fallback_tensors, tensor_types
@@ -179,13 +178,13 @@ class Search:
         key = f"{name}@{windows}"
         if key not in self.candidates:
             scratch = self.folder / "scratch"
-            shutil.rmtree(scratch, ignore_errors=True)
+            remove_path(scratch)
             scratch.mkdir()
             gguf = scratch / "candidate.gguf"
             self.make(mix, gguf)
             figures = self.scorer.score(gguf, windows)
             self.candidates[key] = {"mix": name, "size_bytes": gguf.stat().st_size, **figures}
-            shutil.rmtree(scratch)
+            remove_path(scratch)
             atomic_write_json(self.folder / CANDIDATES_FILE, self.candidates)
             self.job.log(f"gguf-auto: {name}: {figures['kld_mean']:.5f} KL, {self.candidates[key]['size_bytes']:,} B")
         return self.candidates[key]
