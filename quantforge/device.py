@@ -92,7 +92,6 @@ def visible_devices_for(device: str, environ: dict) -> str | None:
     return seen[index] if index < len(seen) else str(index)
 
 
-QUANTIZE_DTYPES = ("auto", "bfloat16", "float32")
 # CPU flags of native bf16 multiplies. Without them torch's bf16 matrix multiply on a CPU is emulated: measured on
 # this project's AVX2 host, 18.7 GFLOP/s against 160 in float32 (2 threads, a 256x576 by 576x1536 linear).
 CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})

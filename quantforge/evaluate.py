@@ -39,7 +39,6 @@ from .uncertainty import window_sums
 
 TOP_K = 64
 TAIL_SAMPLES = 64
-SCORINGS = ("all", "second-half")  # every position of a window after its first; llama-perplexity's second half
 
 
 @dataclass(frozen=True)
@@ -447,8 +446,12 @@ def save_reference(path: Path, windows: list[ReferenceWindow]) -> None:
 
 
 def load_reference(path: Path) -> list[ReferenceWindow]:
-    data = np.load(path)
-    return [ReferenceWindow(**{name: data[name][i] for name in REFERENCE_FIELDS}) for i in range(len(data["nll"]))]
+    # Each field read once: indexing the NpzFile reads the whole array again, and a window's row kept a view of
+    # that copy, so W windows held W copies of the reference (136 MB for SmolLM2's 16 windows of 512, growing with
+    # the square of the window count).
+    with np.load(path) as data:
+        fields = {name: data[name] for name in REFERENCE_FIELDS}
+    return [ReferenceWindow(**{name: rows[i] for name, rows in fields.items()}) for i in range(len(fields["nll"]))]
 
 
 class WindowProgress:

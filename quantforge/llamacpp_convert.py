@@ -27,6 +27,7 @@ import tarfile
 from functools import lru_cache
 from pathlib import Path
 
+from . import install_hint
 from .errors import QuantforgeError
 
 DISTRIBUTION = "llama-cpp-python"
@@ -41,7 +42,7 @@ def runtime_version() -> str:
         return importlib.metadata.version(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
         raise QuantforgeError(
-            "GGUF formats need llama-cpp-python, which is not installed: pip install 'quantforge[gguf]'"
+            "GGUF formats need llama-cpp-python, which is not installed: " + install_hint("gguf")
         ) from None
 
 

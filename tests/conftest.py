@@ -37,6 +37,79 @@ def hugging_face_cache_kept():
             os.environ[name] = value
 
 
+# Builds made once by a module- or session-scoped fixture. CI runs the suite in two test processes (pytest-xdist,
+# --dist loadgroup), and each process makes its own copy of a fixture that its tests use: the tests of one build
+# are put in one group, so one process makes it (the mixed run was made twice, about 110 s each, and Phi-3's
+# architecture run three times). A test may belong to one group: the first fixture it uses here names it.
+SHARED_BUILDS = {
+    "mixed_run": "mixed-run",
+    "torch_run": "mixed-run",
+    "both_run": "autoround-run",
+    "fp8_run": "fp8-run",
+    "fp4_run": "fp4-run",
+    "local_release": "local-release",
+    "plugin_site": "plugin-site",
+    "installed": "wheel-venv",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        group = shared_build_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_configure(config):
+    """Refuse a run whose groups pytest-xdist would lose: it tags a grouped test's node id with ``@group``, and from
+    pytest 9.2 that tag no longer takes (pytest-xdist#1386), so every group was silently spread over both
+    processes (our shared builds made twice, the real-shape builds run two at a time)."""
+    import importlib.metadata
+
+    from packaging.version import Version
+
+    grouped = getattr(config.option, "dist", "no") == "loadgroup" and not os.environ.get("PYTEST_XDIST_WORKER")
+    if grouped and Version(importlib.metadata.version("pytest")) >= Version("9.2"):
+        raise pytest.UsageError(
+            "--dist loadgroup does not group tests under pytest 9.2 or newer (pytest-xdist#1386): install the "
+            "test extra's pytest (pip install -e '.[test]')"
+        )
+
+
+def shared_build_group(item) -> str | None:
+    if "arch_run" in item.fixturenames:  # one build per architecture, made on first use
+        params = getattr(item, "callspec", None)
+        kind = params.params.get("kind") if params else None
+        return f"arch-{kind}" if kind else None
+    return next((SHARED_BUILDS[name] for name in item.fixturenames if name in SHARED_BUILDS), None)
+
+
+def built_once(tmp_path_factory, name: str, make) -> Path:
+    """The folder ``make(folder)`` fills, made once per session by the first test process that asks for it and
+    shared with the other: pytest-xdist's processes keep their temporary folders in one folder of the session's, and
+    the second process waits on the lock rather than making its own copy (same paths in both, so a run's manifest
+    names the same model folder whichever process reads it). Treat the folder as read-only."""
+    import fcntl
+    import shutil
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    folder = root / "shared" / name
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    done = folder.with_name(folder.name + ".done")
+    with open(folder.with_name(folder.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # left by a process that failed while making it
+            make(folder)
+            done.touch()
+    return folder
+
+
 @contextlib.contextmanager
 def cache_lock():
     """One test process at a time fills quantforge's user cache (the suite runs in two with pytest-xdist): two
@@ -67,12 +140,12 @@ def tiny_model(smollm2_dir, tmp_path_factory):
     from tiny_models import build_tiny_model, folder_name
 
     built: dict[str, Path] = {}
-    root = tmp_path_factory.mktemp("models")
 
     def get(kind: str) -> Path:
         if kind not in built:
             with cache_lock():  # the qwen2 model takes its tokenizer from the cache's bundled Qwen GGUF
-                built[kind] = build_tiny_model(kind, smollm2_dir, root / folder_name(kind))
+                name = f"models/{folder_name(kind)}"
+                built[kind] = built_once(tmp_path_factory, name, lambda out: build_tiny_model(kind, smollm2_dir, out))
         return built[kind]
 
     return get
@@ -131,7 +204,7 @@ TINY_RUN_ARGS = [
 @pytest.fixture(scope="session")
 def tiny_run(tiny_llama, tmp_path_factory) -> Path:
     """A finished build of the tiny llama into three GGUF formats (treat as read-only; copy it to change it)."""
-    return build_run(tiny_llama, tmp_path_factory.mktemp("runs") / "tiny", *TINY_RUN_ARGS)
+    return built_once(tmp_path_factory, "runs/tiny", lambda out: build_run(tiny_llama, out, *TINY_RUN_ARGS))
 
 
 def build_run(model: Path, out: Path, *args: str, env: dict | None = None) -> Path:
@@ -149,8 +222,8 @@ def mixed_run(tiny_llama, tmp_path_factory) -> Path:
     """INT8, INT4 (GPTQ, AWQ) and GGUF formats of the tiny model, measured for real: the fixture the decision,
     torch-format and push tests share (one build per session)."""
     formats = "int8,gptq-int8,gptq-int4,awq,gguf-q8_0,gguf-q4km"
-    out = tmp_path_factory.mktemp("runs") / "mixed"
-    return build_run(tiny_llama, out, "--formats", formats, *FAST_EVAL, *CALIBRATION)
+    args = ["--formats", formats, *FAST_EVAL, *CALIBRATION]
+    return built_once(tmp_path_factory, "runs/mixed", lambda out: build_run(tiny_llama, out, *args))
 
 
 def tree_digest(folder: Path) -> dict:

@@ -200,6 +200,7 @@ def test_the_card_measures_what_the_serving_library_computes(kind, key, arch_run
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("arch-phi3")  # with the other tests of Phi-3's build (see conftest.shared_build_group)
 def test_a_folder_transformers_cannot_load_does_not_claim_it(arch_run):
     """Phi-3's GPTQ folder (gate_up_proj saved as gate_proj and up_proj) runs in vLLM, not in transformers: the card
     lists vLLM alone and the model card offers no transformers load."""

@@ -68,11 +68,13 @@ def test_manifest_records_inputs_outputs_and_timings(tiny_run):
     assert stages["fetch"]["result"]["files"]["model.safetensors"]["sha256"]
 
 
-def test_rerun_skips_every_finished_stage(tiny_run):
-    before = read_json(tiny_run / "run.json")["stages"]
-    result = quantforge_cli("build", before["fetch"]["result"]["path"], "--out", str(tiny_run), *TINY_RUN_ARGS)
+def test_rerun_skips_every_finished_stage(tiny_run, tmp_path):
+    run = tmp_path / "run"  # a copy: the shared run is read by the other test process meanwhile
+    shutil.copytree(tiny_run, run)
+    before = read_json(run / "run.json")["stages"]
+    result = quantforge_cli("build", before["fetch"]["result"]["path"], "--out", str(run), *TINY_RUN_ARGS)
     assert result.returncode == 0, result.stderr
-    after = read_json(tiny_run / "run.json")["stages"]
+    after = read_json(run / "run.json")["stages"]
     for key, record in before.items():
         if key != "fetch":  # fetch is re-checked every time; it hashes nothing new
             assert after[key]["started"] == record["started"], f"{key} was redone"

@@ -283,7 +283,7 @@ def test_a_runner_without_a_first_position_still_scores_the_second_half(tiny_lla
 def test_an_unknown_scoring_convention_is_one_line_naming_the_choices(tiny_llama, tmp_path):
     result = quantforge_cli("build", str(tiny_llama), "--out", str(tmp_path / "run"), "--ppl-scoring", "half")
     assert result.returncode != 0
-    assert "unknown --ppl-scoring 'half': use one of all, second-half" in result.stderr
+    assert "Invalid value for '--ppl-scoring': 'half' is not one of 'all', 'second-half'" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 
 

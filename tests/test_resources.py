@@ -337,8 +337,8 @@ def test_a_quantize_dtype_that_is_not_one_of_the_three_is_one_line(tiny_llama, t
     result = quantforge_cli("build", str(tiny_llama), "--formats", "gptq-int4", "--quantize-dtype", "fp8", "--out",
                             str(out))  # fmt: skip
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == (
-        "error: --quantize-dtype must be auto, bfloat16, float32, not 'fp8'"
+    assert result.stderr.strip().splitlines()[-1] == (  # click.Choice's own line
+        "Error: Invalid value for '--quantize-dtype': 'fp8' is not one of 'auto', 'bfloat16', 'float32'."
     )
     assert not out.exists()
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TASKS_DATA
+from conftest import TASKS_DATA, quantforge_cli
 
 from quantforge.cli import build as build_command
 from quantforge.pipeline import BuildRequest, make_plan
@@ -108,3 +108,24 @@ def test_allow_pickle_cannot_come_from_a_file(tmp_path, where):
 
     with pytest.raises(QuantforgeError, match=r"unknown key '(models\[0\]\.)?allow_pickle'"):
         make_plan(BuildRequest(model=None, recipe_file=path)) if where == "recipe" else load_release(path)
+
+
+@pytest.mark.parametrize(
+    "body, line",
+    [
+        ("eval:\n  scoring: half\n", "error: --ppl-scoring (eval.scoring in a recipe or release file) must be one of "
+         "all, second-half, not 'half'"),
+        ("calibration:\n  seqlen: 4\n", "error: --calib-seqlen (calibration.seqlen in a recipe or release file) must "
+         "be at least 8, not 4"),
+    ],
+)  # fmt: skip
+def test_a_recipe_value_outside_its_settings_row_is_one_line_before_any_work(tmp_path, body, line):
+    """The settings table's choices and minimums hold for files as for the command line (where click.Choice
+    refuses the value itself)."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model: bundled:smollm2-135m\n" + body)
+    out = tmp_path / "run"
+    result = quantforge_cli("build", "--recipe", str(recipe), "--out", str(out))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == line
+    assert not out.exists()

@@ -38,7 +38,7 @@ def wheel(tmp_path_factory) -> Path:
         check=True,
         cwd=source,
     )
-    return next(out.glob("quantforge-*.whl"))
+    return next(out.glob("quantforge_llm-*.whl"))
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +73,23 @@ def test_the_wheel_holds_every_definition(wheel):
     for kind in ("recipes", "calibration", "evals/tasks", "evals/text"):
         shipped = {Path(n).name for n in names if n.startswith(f"quantforge/definitions/{kind}/")}
         assert shipped == {p.name for p in (REPO / kind).glob("*.yaml")}, kind
+
+
+def test_the_wheel_is_named_for_pypi_and_caps_only_in_extras(wheel):
+    """Issue 39: "quantforge" on PyPI is another project, and a user who makes GGUF files alone must not be held to
+    the torch and transformers that llm-compressor and GPTQModel pin."""
+    from packaging.requirements import Requirement
+
+    archive = zipfile.ZipFile(wheel)
+    metadata = archive.read(next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    headers = [line.split(": ", 1) for line in metadata.splitlines() if ": " in line]
+    assert dict(headers)["Name"] == "quantforge-llm"
+    core = [Requirement(value) for key, value in headers if key == "Requires-Dist" and "extra ==" not in value]
+    for requirement in core:
+        assert all(spec.operator == ">=" for spec in requirement.specifier), requirement
+    assert {"torch", "transformers", "httpx"} <= {r.name for r in core}
+    capped = [Requirement(v) for k, v in headers if k == "Requires-Dist" and "extra ==" in v and "torch<" in v]
+    assert capped, "the extras that need torch < 2.14 say so"
 
 
 def test_a_wheel_install_lists_formats_recipes_and_tasks(installed, tmp_path):

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Protocol
 
 import numpy as np
 
+from .. import install_hint
 from ..errors import QuantforgeError
 
 if TYPE_CHECKING:
@@ -155,7 +156,7 @@ class Backend(abc.ABC):
         """Why this backend cannot run on this host, or None. Must not import the heavy library."""
         missing = [module for module in self.requires if importlib.util.find_spec(module) is None]
         if missing:
-            return f"{', '.join(missing)} not installed (pip install 'quantforge[{self.extra}]')"
+            return f"{', '.join(missing)} not installed ({install_hint(self.extra)})"
         return None
 
     def check(self, source: "SourceModel", fmt: Format, settings: dict) -> list[str]:
