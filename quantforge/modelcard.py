@@ -17,6 +17,7 @@ import yaml
 from .fsutil import atomic_write_text
 
 # Bundled models are converted from GGUF files of these Hub repos (see source.BUNDLED); their licences are the repos'.
+CARD_JSON = "card.json"
 LICENSE_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "LICENCE", "NOTICE", "USE_POLICY.md")
 HUB_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./")
 
@@ -124,10 +125,46 @@ def _evaluation_rows(card: dict, entry: dict) -> list[str]:
         f"| mean KL divergence | 0 | {metrics['kld_mean']:.4f} |",
         f"| top-1 agreement | 1 | {metrics['top1_agreement']:.3f} |",
     ]
-    for name, task in (entry.get("tasks") or {}).items():
-        base = reference["tasks"][name]["value"]
-        rows.append(f"| {name} ({task['metric']}, {task['samples']} examples) | {base:.3f} | {task['value']:.3f} |")
     return rows
+
+
+def _recovery_rows(card: dict, entry: dict) -> list[str]:
+    """Task accuracy beside the reference's and the share of it kept, as quantized model cards show it (recovery:
+    this file's accuracy over the reference's, same task, same examples)."""
+    tasks = entry.get("tasks") or {}
+    if not tasks:
+        return []
+    rows = ["| task | metric | examples | reference | this model | recovery |", "|---|---|---|---|---|---|"]
+    for name, task in tasks.items():
+        base = card["reference"]["tasks"][name]["value"]
+        recovery = task.get("recovery_pct")
+        kept = f"{recovery:.1f}%" if recovery is not None else "n/a"
+        rows.append(f"| {name} | {task['metric']} | {task['samples']} | {base:.3f} | {task['value']:.3f} | {kept} |")
+    mean = entry["metrics"].get("task_recovery_pct")
+    if mean is not None and len(tasks) > 1:
+        rows.append(f"| mean | | | | | {mean:.1f}% |")
+    return ["", *rows]
+
+
+def _made_by(card: dict) -> list[str]:
+    """The quantforge version and the command that made the run (its --out left out: where the run was written is
+    not part of how the files were made)."""
+    provenance = card.get("provenance") or {}
+    command = provenance.get("command")
+    if not command:
+        return []
+    import shlex
+
+    words = shlex.split(command)
+    kept = [w for i, w in enumerate(words) if w != "--out" and (i == 0 or words[i - 1] != "--out")]
+    return [
+        "",
+        f"Made by quantforge {provenance.get('quantforge_version', '?')} with:",
+        "",
+        "```bash",
+        shlex.join(kept),
+        "```",
+    ]
 
 
 def _recommendation(card: dict, entry: dict) -> str:
@@ -143,7 +180,8 @@ def _recommendation(card: dict, entry: dict) -> str:
 def model_card(card: dict, entry: dict, deployment) -> str:
     """The README.md of one artifact; ``deployment`` (a ``backends.Deployment``) is its backend's part."""
     model = card["model"]
-    front, base, licence = _front(card, deployment.library, [*deployment.tags, entry["format"]])
+    calibrated = bool((entry.get("quantize") or {}).get("calibration_samples"))
+    front, base, licence = _front(card, deployment.library, [*deployment.tags, entry["format"]], calibrated)
     base_text = _model_text(model, base)
     licence_line = (
         f"Licence: {licence['license']}, as the base model's."
@@ -166,8 +204,11 @@ def model_card(card: dict, entry: dict, deployment) -> str:
         "",
         *_evaluation_rows(card, entry),
         "",
-        "Measured by quantforge on the files in this folder, on the same tokens as the unquantized reference "
-        "(see card.json of the run for how each figure was made).",
+        *_recovery_rows(card, entry),
+        "",
+        "Measured by quantforge on these files, on the same tokens as the unquantized reference. How each figure "
+        f"was made is in {CARD_JSON}, the run's card, which `quantforge push` uploads beside them.",
+        *_made_by(card),
         "",
         "## Recommendation",
         "",
@@ -190,13 +231,25 @@ def _model_text(model: dict, base: str | None) -> str:
     return f"[{base}](https://huggingface.co/{base})" if base else f"{model['name']} (a local model)"
 
 
-def _front(card: dict, library: str, tags: list[str]) -> tuple[dict, str | None, dict]:
+def calibration_dataset(card: dict) -> str | None:
+    """The Hub id of the run's calibration set, when it came from the Hub through datasets (not a local file)."""
+    source = ((card.get("calibration") or {}).get("text") or {}).get("source") or ""
+    if not source.startswith("datasets "):  # "datasets allenai/c4" (", as its file" when read from its cached file)
+        return None
+    dataset = source.split()[1].rstrip(",")
+    return dataset if "/" in dataset and set(dataset) <= HUB_ID_CHARS else None
+
+
+def _front(card: dict, library: str, tags: list[str], calibrated: bool = False) -> tuple[dict, str | None, dict]:
     base, licence = base_model_and_license(card["model"])
     front: dict = {}
     if base:
         front["base_model"] = base
         front["base_model_relation"] = "quantized"
     front.update(licence)
+    dataset = calibration_dataset(card) if calibrated else None
+    if dataset:  # the Hub links the data set a file was calibrated (or its importance matrix collected) on
+        front["datasets"] = [dataset]
     front["pipeline_tag"] = "text-generation"
     front["library_name"] = library
     front["tags"] = ["quantforge", "quantized", *tags]
@@ -204,25 +257,67 @@ def _front(card: dict, library: str, tags: list[str]) -> tuple[dict, str | None,
     return front, base, licence
 
 
-def write_gguf_repo_card(card: dict, entries: list[dict], repo_id: str, names: dict[str, list[str]]) -> str:
-    """The model card of a repo holding several GGUF files: one row per file, the run's recommendation, usage."""
-    front, base, licence = _front(card, "gguf", ["gguf", *(e["format"] for e in entries)])
+def _which_file_rows(card: dict, entries: list[dict], labels: dict[str, str]) -> list[str]:
+    """ "Which file should I download?", answered from this run's measurements of these files."""
+    closest = min(entries, key=lambda e: e["metrics"]["kld_mean"])
+    smallest = min(entries, key=lambda e: e["size_bytes"])
+    front = [e for e in entries if e["key"] in set(card.get("pareto_front") or [])]
+    recommended = next((e for e in entries if e["key"] == card["decision"].get("recommended")), None)
+    rows = ["| if you want | take | because |", "|---|---|---|"]
+    if recommended:
+        verdict = next(v for v in card["decision"]["verdicts"] if v["key"] == recommended["key"])
+        rows.append(f"| the run's targets met | {labels[recommended['key']]} | {verdict['reason']} |")
+    rows.append(
+        f"| the closest to the unquantized model | {labels[closest['key']]} | the lowest mean KLD, "
+        f"{closest['metrics']['kld_mean']:.4f} |"
+    )
+    rows.append(
+        f"| the smallest file | {labels[smallest['key']]} | {smallest['size_bytes'] / 1e6:.1f} MB at mean KLD "
+        f"{smallest['metrics']['kld_mean']:.4f} |"
+    )
+    if len(front) > 1:
+        listed = ", ".join(labels[e["key"]] for e in sorted(front, key=lambda e: e["size_bytes"]))
+        rows.append(
+            f"| the most quality for the size | one of {listed} | no other file here is both smaller and closer "
+            "to the reference |"
+        )
+    return rows
+
+
+def write_gguf_repo_card(
+    card: dict,
+    entries: list[dict],
+    repo_id: str,
+    names: dict[str, list[str]],
+    labels: dict[str, str] | None = None,
+    plot: str | None = None,
+) -> str:
+    """The model card of a repo of GGUF files: one row per file, which file to take, the run's recommendation, usage
+    with the repo's id (``labels``: each file's quant tag as llama.cpp's ``-hf REPO:TAG`` matches it; ``plot``: a
+    picture uploaded beside it)."""
+    calibrated = any((e.get("quantize") or {}).get("calibration_samples") for e in entries)
+    front, base, licence = _front(card, "gguf", ["gguf", *(e["format"] for e in entries)], calibrated)
     model = card["model"]
     reference = card["reference"]
     context = card["targets"]["context"]
+    labels = labels or {e["key"]: e["scheme"] for e in entries}
+    with_tasks = any(e.get("tasks") for e in entries)
     rows = [
-        "| file | quant | bits/weight | size | perplexity change | mean KLD | top-1 agreement |",
-        "|---|---|---|---|---|---|---|",
+        "| file | quant | bits/weight | size | perplexity change | mean KLD | top-1 agreement |"
+        + (" task recovery |" if with_tasks else ""),
+        "|---|---|---|---|---|---|---|" + ("---|" if with_tasks else ""),
     ]
     for entry in entries:
         metrics = entry["metrics"]
+        recovery = metrics.get("task_recovery_pct")
         rows.append(
             f"| {' + '.join(names[entry['key']])} | {entry['scheme']} | {entry['bits_per_weight']:.2f} | "
             f"{entry['size_bytes'] / 1e6:.1f} MB | {metrics['perplexity_increase_pct']:+.2f}% | "
             f"{metrics['kld_mean']:.4f} | {metrics['top1_agreement']:.3f} |"
+            + ((f" {recovery:.1f}% |" if recovery is not None else " n/a |") if with_tasks else "")
         )
     recommended = card["decision"].get("recommended")
-    scheme = next((e["scheme"] for e in entries if e["key"] == recommended), entries[0]["scheme"])
+    tag = next((labels[e["key"]] for e in entries if e["key"] == recommended), labels[entries[0]["key"]])
     split = any(len(files) > 1 for files in names.values())
     lines = [
         _front_matter(front),
@@ -237,6 +332,14 @@ def write_gguf_repo_card(card: dict, entries: list[dict], repo_id: str, names: d
         "",
         *rows,
         "",
+        *([f"![mean KL divergence against file size, every format of the run]({plot})", ""] if plot else []),
+        f"How each figure was made is in {CARD_JSON}, the run's card, uploaded beside the files.",
+        *_made_by(card),
+        "",
+        "## Which file",
+        "",
+        *_which_file_rows(card, entries, labels),
+        "",
         "## Recommendation",
         "",
         f"For the run's targets quantforge recommended {recommended or 'none of these files'}.",
@@ -244,8 +347,9 @@ def write_gguf_repo_card(card: dict, entries: list[dict], repo_id: str, names: d
         "## Usage",
         "",
         "```bash",
-        f"llama-server -hf {repo_id}:{scheme} -c {context} --jinja",
-        f"ollama run hf.co/{repo_id}:{scheme}",
+        f"llama-server -hf {repo_id}:{tag} -c {context} --jinja",
+        f"ollama run hf.co/{repo_id}:{tag}",
+        f'hf download {repo_id} --include "*{tag}*" --local-dir .',
         "```",
         "",
         "Each file has a Modelfile beside it (`Modelfile.<quant>`) for `ollama create NAME -f Modelfile.<quant>`.",
@@ -257,6 +361,16 @@ def write_gguf_repo_card(card: dict, entries: list[dict], repo_id: str, names: d
             "the first shard; merge them with `llama-gguf-split --merge` for runtimes that need one file.",
         ]
     return "\n".join(lines + [""])
+
+
+def for_repo(readme: str, folder_name: str, repo_id: str, plot: str | None = None) -> str:
+    """An artifact's model card as its own Hub repo shows it: the usage names the repo, not the local folder
+    (``./awq`` becomes ``ORG/NAME-AWQ``), and the run's plot, uploaded beside it, is shown."""
+    text = readme.replace(f"./{folder_name}", repo_id)
+    if plot:
+        picture = f"![mean KL divergence against file size, every format of the run]({plot})"
+        text = text.replace("\n## Recommendation\n", f"\n{picture}\n\n## Recommendation\n", 1)
+    return text
 
 
 def _copy_licence_files(source_dir: Path, folder: Path) -> None:

@@ -143,11 +143,18 @@ def _refuse_a_shared_name(upload: Upload, gguf_file: Path, entry: dict, names: d
 
 def plan_uploads(run_dir: Path, card: dict, base: str, gguf_layout: str, split_bytes: int | None) -> list[Upload]:
     """The repos and files a push of this run's finished artifacts makes (GGUF splits written on the way)."""
-    from .modelcard import LICENSE_FILES, write_gguf_repo_card
+    from .html import QUALITY_PNG
+    from .modelcard import CARD_JSON, LICENSE_FILES, for_repo, write_gguf_repo_card
 
     complete = [e for e in card["formats"] if e.get("complete")]
     if not complete:
         raise QuantforgeError(f"{run_dir} has no finished artifact to push; run the build first")
+    rundir = RunDir(run_dir)
+    # every repo also gets the run's card (the model cards point to it) and its size-against-quality plot
+    shared = {CARD_JSON: rundir.card}
+    plot = QUALITY_PNG if (run_dir / QUALITY_PNG).exists() else None
+    if plot:
+        shared[plot] = run_dir / plot
     uploads: list[Upload] = []
     gguf_entries = [e for e in complete if e["family"] == "gguf"]
     for entry in complete:
@@ -155,7 +162,12 @@ def plan_uploads(run_dir: Path, card: dict, base: str, gguf_layout: str, split_b
             continue
         folder = run_dir / entry["artifact"]
         files = {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*")) if p.is_file()}
-        uploads.append(Upload(f"{base}-{_hub_suffix(entry)}", files, [entry["key"]]))
+        repo_id = f"{base}-{_hub_suffix(entry)}"
+        if "README.md" in files:
+            readme = rundir.publish() / f"{entry['key']}-README.md"
+            atomic_write_text(readme, for_repo(files["README.md"].read_text(), folder.name, repo_id, plot))
+            files["README.md"] = readme
+        uploads.append(Upload(repo_id, {**files, **shared}, [entry["key"]]))
     groups = [gguf_entries] if gguf_layout == "one" else [[e] for e in gguf_entries]
     for group in groups:
         if not group:
@@ -164,9 +176,11 @@ def plan_uploads(run_dir: Path, card: dict, base: str, gguf_layout: str, split_b
         repo_id = f"{base}-GGUF" if gguf_layout == "one" else f"{base}-{first_label}-GGUF"
         upload = Upload(repo_id, formats=[e["key"] for e in group])
         names: dict[str, list[str]] = {}
+        labels: dict[str, str] = {}
         for entry in group:
             folder = run_dir / entry["artifact"]
             gguf_file = _gguf_file(run_dir, entry)
+            labels[entry["key"]] = _quant_label(card, entry, gguf_file)
             _refuse_a_shared_name(upload, gguf_file, entry, names)
             if split_bytes and gguf_file.stat().st_size > split_bytes:
                 shards = split_gguf(gguf_file, split_bytes, RunDir(run_dir).publish() / "split" / entry["key"])
@@ -181,14 +195,29 @@ def plan_uploads(run_dir: Path, card: dict, base: str, gguf_layout: str, split_b
             for name in LICENSE_FILES:
                 if (folder / name).exists():
                     upload.files[name] = folder / name
-        if len(group) == 1:
-            upload.files["README.md"] = run_dir / group[0]["artifact"] / "README.md"
-        else:
-            readme = RunDir(run_dir).publish() / "gguf-README.md"
-            atomic_write_text(readme, write_gguf_repo_card(card, group, repo_id, names))
-            upload.files["README.md"] = readme
+            upload.files.update(_remake_inputs(run_dir, card, entry))
+        readme = rundir.publish() / f"{repo_id.split('/')[-1]}-README.md"
+        atomic_write_text(readme, write_gguf_repo_card(card, group, repo_id, names, labels, plot))
+        upload.files["README.md"] = readme
+        upload.files.update(shared)
         uploads.append(upload)
     return uploads
+
+
+def _remake_inputs(run_dir: Path, card: dict, entry: dict) -> dict[str, Path]:
+    """What a GGUF publisher ships beside a file so that it can be remade or requantized: the importance matrix it
+    was quantized with (llama.cpp's own file, as the run made it) and gguf-auto's tensor-type file. The matrix is
+    in the run's work/ folder; a run copied without it pushes the files alone."""
+    facts = entry.get("quantize") or {}
+    files = {}
+    if "--imatrix" in str(facts.get("quantizer", "")) or facts.get("reproduce"):
+        matrix = RunDir(run_dir).intermediate(card["model"]["name"], "imatrix", ".gguf")
+        if matrix.exists():
+            files[matrix.name] = matrix
+    types = run_dir / entry["artifact"] / "tensor-types.txt"
+    if types.exists():
+        files[types.name] = types
+    return files
 
 
 # ----------------------------------------------------------------------------------------------- the push

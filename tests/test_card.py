@@ -377,3 +377,20 @@ def test_modelfile_template_matches_the_chat_template(tiny_run, tiny_llama, with
     )
     assert _go_render(template, messages) == expected
     assert 'PARAMETER stop "<|im_end|>"' in modelfile
+
+
+def test_a_model_card_gives_task_recovery_and_the_command_that_made_the_run(tiny_run):
+    """Issue 39: the recovery table quantized model cards show (task, reference, this file, recovery), and the
+    command that made the files, without where the run was written."""
+    card = read_json(tiny_run / "card.json")
+    entry = next(e for e in card["formats"] if e["key"] == "gguf-q8_0")
+    readme = (tiny_run / entry["artifact"] / "README.md").read_text()
+    assert "| task | metric | examples | reference | this model | recovery |" in readme
+    for name, task in entry["tasks"].items():
+        base = card["reference"]["tasks"][name]["value"]
+        row = f"| {name} | {task['metric']} | {task['samples']} | {base:.3f} | {task['value']:.3f} |"
+        assert row in readme, row
+    assert f"| mean | | | | | {entry['metrics']['task_recovery_pct']:.1f}% |" in readme
+    command = readme.split("```bash\n", 1)[1].split("\n", 1)[0]
+    assert command.startswith("quantforge build ") and "--formats gguf-f16,gguf-q8_0,gguf-q4km" in command
+    assert "--out" not in command and str(tiny_run) not in readme

@@ -4,7 +4,11 @@ that speaks repo creation, preupload, the LFS batch and upload endpoints, and co
 from __future__ import annotations
 
 import hashlib
+import os
+import shlex
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -44,19 +48,35 @@ def test_push_uploads_every_artifact_with_its_model_card_and_resumes_as_a_no_op(
         card = read_json(run / "card.json")
         expected = {f"acme/tiny-{suffix}" for suffix in SUFFIXES.values()} | {"acme/tiny-GGUF"}
         assert set(hub.pushed) == expected and all(repo["private"] for repo in hub.created.values())
+        shared = {name: (run / name).read_bytes() for name in ("card.json", "card-quality.png")}
         for entry in card["formats"]:
             folder = run / entry["artifact"]
             if entry["family"] == "hf":
-                pushed = hub.pushed[f"acme/tiny-{SUFFIXES[entry['key']]}"]
+                repo_id = f"acme/tiny-{SUFFIXES[entry['key']]}"
+                pushed = dict(hub.pushed[repo_id])
+                readme = pushed.pop("README.md").decode()
                 on_disk = {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
-                assert pushed == on_disk  # byte for byte, model card included
-                assert yaml.safe_load(pushed["README.md"].decode().split("---")[1])["library_name"] == "transformers"
+                local_readme = on_disk.pop("README.md").decode()
+                assert pushed == {**on_disk, **shared}  # byte for byte, with the run's card and plot beside them
+                # the model card as the repo shows it: its usage names the repo, not the run's folder
+                assert f"vllm serve {repo_id} " in readme and f"./{folder.name}" not in readme
+                assert readme == local_readme.replace(f"./{folder.name}", repo_id).replace(
+                    "\n## Recommendation",
+                    "\n![mean KL divergence against file size, every format of the run]"
+                    "(card-quality.png)\n\n## Recommendation",
+                )
+                assert yaml.safe_load(readme.split("---")[1])["library_name"] == "transformers"
+                assert "How each figure was made is in card.json" in readme
             else:
                 gguf = next(folder.glob("*.gguf"))
                 assert hub.pushed["acme/tiny-GGUF"][gguf.name] == gguf.read_bytes()
                 assert f"Modelfile.{entry['scheme']}" in hub.pushed["acme/tiny-GGUF"]
-        readme = hub.pushed["acme/tiny-GGUF"]["README.md"].decode()
+        gguf_repo = hub.pushed["acme/tiny-GGUF"]
+        assert {name: gguf_repo[name] for name in shared} == shared
+        readme = gguf_repo["README.md"].decode()
         assert "| tiny-llama-Q8_0.gguf | Q8_0 |" in readme and "ollama run hf.co/acme/tiny-GGUF:" in readme
+        assert "## Which file" in readme and "| the smallest file | Q4_K_M |" in readme
+        download = next(line for line in readme.splitlines() if line.startswith("hf download "))
         assert all(header == f"Bearer {TOKEN}" for header in hub.auth_headers)
         assert TOKEN not in result.stdout + result.stderr and TOKEN not in _all_text(run)
         commits, puts = len(hub.commit_log), len(hub.lfs_puts)
@@ -65,6 +85,24 @@ def test_push_uploads_every_artifact_with_its_model_card_and_resumes_as_a_no_op(
         assert again.returncode == 0, again.stderr[-2000:]
         assert again.stdout.count("unchanged") == len(expected)
         assert (len(hub.commit_log), len(hub.lfs_puts)) == (commits, puts)
+
+    # The model card's download line, run as written by huggingface_hub's own `hf` command against the repo as
+    # pushed: it fetches the recommended file alone.
+    served = tmp_path / "served"
+    for name, data in gguf_repo.items():
+        (served / name).parent.mkdir(parents=True, exist_ok=True)
+        (served / name).write_bytes(data)
+    hf = Path(sys.executable).with_name("hf")
+    with FakeHub({"acme/tiny-GGUF": served}) as hub:
+        fetched = tmp_path / "fetched"
+        words = shlex.split(download)
+        subprocess.run(
+            [str(hf), *words[1:-1], str(fetched)],
+            check=True, capture_output=True, env={**os.environ, **push_env, "HF_ENDPOINT": hub.endpoint},
+        )  # fmt: skip
+    tag = readme.split("llama-server -hf acme/tiny-GGUF:")[1].split()[0]
+    ggufs = [name for name in gguf_repo if name.endswith(".gguf")]
+    assert [p.name for p in fetched.glob("*.gguf")] == [name for name in ggufs if tag in name] and len(ggufs) > 1
 
 
 @pytest.mark.parametrize(
