@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -51,16 +52,24 @@ def describe() -> str:
     return f"llama.cpp's convert_hf_to_gguf.py (as vendored in llama-cpp-python {runtime_version()})"
 
 
+def environment_shares(kind: str, version: str) -> list[Path]:
+    """``share/quantforge/<kind>/<version>`` of the running environment and of the one that holds llama-cpp-python,
+    when that is another (a venv that reaches its packages through a .pth line or the system's site-packages)."""
+    folders = [Path(sys.prefix)]
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec and spec.origin:  # <prefix>/lib/pythonX.Y/site-packages/llama_cpp/__init__.py
+        folders.append(Path(spec.origin).parents[4])
+    unique = list(dict.fromkeys(folder.resolve() for folder in folders))
+    return [folder / "share" / "quantforge" / kind / version for folder in unique]
+
+
 def converter_dirs(version: str | None = None) -> list[Path]:
     """Where the converter may be kept, most preferred first: beside the environment that holds llama-cpp-python
     (it belongs to that installation, whatever cache a run points QUANTFORGE_CACHE at), else the user's cache."""
     from .source import cache_root
 
     version = version or runtime_version()
-    return [
-        Path(sys.prefix) / "share" / "quantforge" / "llama.cpp-convert" / version,
-        cache_root() / "llama.cpp-convert" / version,
-    ]
+    return [*environment_shares("llama.cpp-convert", version), cache_root() / "llama.cpp-convert" / version]
 
 
 def converter_dir(version: str | None = None) -> Path:

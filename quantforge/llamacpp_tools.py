@@ -26,7 +26,7 @@ import tarfile
 from pathlib import Path
 
 from .errors import QuantforgeError
-from .llamacpp_convert import _download_sdist, _writable, runtime_version
+from .llamacpp_convert import _download_sdist, _writable, environment_shares, runtime_version
 from .logs import run_logged
 
 PRODUCT_TOOLS = ("llama-imatrix", "llama-quantize")
@@ -63,10 +63,7 @@ def tool_dirs(version: str | None = None) -> list[Path]:
     from .source import cache_root
 
     version = version or runtime_version()
-    return [
-        Path(sys.prefix) / "share" / "quantforge" / "llama.cpp-tools" / version,
-        cache_root() / "llama.cpp-tools" / version,
-    ]
+    return [*environment_shares("llama.cpp-tools", version), cache_root() / "llama.cpp-tools" / version]
 
 
 def find_tool(name: str) -> Path | None:

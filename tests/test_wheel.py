@@ -63,9 +63,26 @@ def installed(wheel, tmp_path_factory) -> Path:
     return root / "bin"
 
 
-def _run(bin_dir: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(cwd), "QUANTFORGE_PATH": ""}
+def _run(bin_dir: Path, *args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(cwd), "QUANTFORGE_PATH": "", **(env or {})}
     return subprocess.run([str(bin_dir / "quantforge"), *args], capture_output=True, text=True, cwd=cwd, env=env)
+
+
+def test_a_wheel_install_builds_the_bundled_model_offline(installed, tmp_path):
+    """The installed wheel alone runs the README's job (one format, one short window: the install is under test,
+    not the figures). llama-cpp-python sits in another environment here (reached through the .pth line), and the
+    converter is found beside it, as the tools are. The user's cache (the bundled model's dequantized folder) is
+    shared with the test environment's."""
+    from quantforge.source import cache_root
+
+    out = tmp_path / "run"
+    env = {"QUANTFORGE_CACHE": str(cache_root()), "HF_HUB_OFFLINE": "1"}
+    args = ["--formats", "gguf-q8_0", "--ppl-windows", "1", "--ppl-context", "64", "--no-speed", "--out", str(out)]
+    result = _run(installed, "build", "smollm2-135m", *args, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    card = json.loads((out / "card.json").read_text())
+    assert [(e["key"], e["complete"]) for e in card["formats"]] == [("gguf-q8_0", True)]
+    assert card["provenance"]["command"].startswith("quantforge build smollm2-135m")
 
 
 def test_the_wheel_holds_every_definition(wheel):
