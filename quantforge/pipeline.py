@@ -632,7 +632,9 @@ class Build:
 
         facts = {**self.source.config, "parameters": self.parameters}
         self.resource_plan = resource_plan(self.plan, facts, self.host_speed())
-        check_plan(self.resource_plan, self.run_dir, done=set(self.manifest.stages))
+        done = set(self.manifest.stages)
+        check_plan(self.resource_plan, self.run_dir, done=done)
+        self.ui.log(plan_line(self.resource_plan, done))
 
     def host_speed(self):
         from .resources import measure_host
@@ -1236,6 +1238,20 @@ def resource_plan(plan: Plan, facts: dict, host) -> dict:
         ),
     )
     return make_resource_plan(ModelSize.from_facts(facts), inputs, host)
+
+
+def plan_line(planned: dict, done: set[str]) -> str:
+    """What the build has before it, said before it starts: the stages left, their predicted time and the peak."""
+    left = [stage for stage in planned["stages"] if stage["key"] not in done]
+    if not left:
+        return "plan: every stage is done; the card is written again"
+    seconds = sum(stage["seconds"] for stage in left)
+    peak = max(left, key=lambda stage: stage["peak_rss_bytes"])
+    minutes = f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+    return (
+        f"plan: {len(left)} stages left, about {minutes} on this host, peak memory {peak['peak_rss_bytes'] / 1e9:.1f}"
+        f" GB ({peak['key']}); --plan-only lists each"
+    )
 
 
 def resource_plan_only(request: BuildRequest) -> dict:

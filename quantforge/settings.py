@@ -28,6 +28,7 @@ class Setting:
     key: str | None  # where recipes and release files hold it; None: the command line only
     choices: tuple[str, ...] | None = None  # the only values allowed (click.Choice on the command line)
     minimum: int | None = None  # the smallest value allowed (an int setting)
+    aliases: tuple[str, ...] = ()  # other flags for it on the command line
 
 
 PPL_SCORINGS = ("all", "second-half")  # every position of a window after its first; llama-perplexity's second half
@@ -41,7 +42,7 @@ SETTINGS: tuple[Setting, ...] = (
             "Comma-separated formats (see 'quantforge formats'). Default: the recipe's, or "
             "gguf-q8_0,gguf-q5km,gguf-q4km.", "formats"),
     Setting("backends", "list", None, "--backend",
-            "Comma-separated backends, where more than one can make a format.", "backends"),
+            "Comma-separated backends, where more than one can make a format.", "backends", aliases=("--backends",)),
     Setting("eval_text", "str", "auto", "--eval-text",
             "Perplexity text: a name (wikitext2, pydoc; 'auto' = wikitext2 if it can be had, else pydoc) or a local "
             ".txt/.jsonl file.", "eval.text"),
@@ -169,7 +170,8 @@ def click_options(function):
         elif setting.choices:
             option = click.option(setting.flag, setting.name, type=click.Choice(setting.choices), help=setting.help)
         else:
-            option = click.option(setting.flag, setting.name, type=kinds[setting.kind], help=setting.help)
+            kind = kinds[setting.kind]
+            option = click.option(setting.flag, *setting.aliases, setting.name, type=kind, help=setting.help)
         function = option(function)
     return function
 

@@ -74,6 +74,7 @@ def test_rerun_skips_every_finished_stage(tiny_run, tmp_path):
     before = read_json(run / "run.json")["stages"]
     result = quantforge_cli("build", before["fetch"]["result"]["path"], "--out", str(run), *TINY_RUN_ARGS)
     assert result.returncode == 0, result.stderr
+    assert "plan: every stage is done" in result.stderr  # said before the build would start any work
     after = read_json(run / "run.json")["stages"]
     for key, record in before.items():
         if key != "fetch":  # fetch is re-checked every time; it hashes nothing new
@@ -88,6 +89,7 @@ def test_a_deleted_artifact_is_rebuilt_alone(tiny_run, tmp_path):
     q4.unlink()
     result = quantforge_cli("build", before["fetch"]["result"]["path"], "--out", str(run), *TINY_RUN_ARGS)
     assert result.returncode == 0, result.stderr
+    assert "plan: every stage is done" in result.stderr  # said before the build would start any work
     after = read_json(run / "run.json")["stages"]
     assert after["quantize/gguf-q4km"]["started"] != before["quantize/gguf-q4km"]["started"]
     assert after["quantize/gguf-q8_0"]["started"] == before["quantize/gguf-q8_0"]["started"]
