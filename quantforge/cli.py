@@ -205,6 +205,41 @@ def _write_crash_log(exc: BaseException) -> Path:
     return log
 
 
+# build --help in sections (its ~45 options in one list were hard to read); tests/test_settings.py checks that
+# every option of build has one.
+HELP_SECTIONS = {
+    "Source": ("recipe_file", "revision", "trust_remote_code", "allow_pickle"),
+    "Formats": ("formats", "backends", "group_size", "act_order", "layer_resume", "quantize_dtype"),
+    "Calibration": ("calibration", "calib_samples", "calib_seqlen", "calib_seed"),
+    "Evaluation": (
+        "eval_text", "ppl_context", "ppl_windows", "ppl_scoring", "tasks", "tasks_data", "limit", "kv_cache",
+        "speed", "prompt_tokens", "gen_tokens", "threads", "device",
+    ),
+    "Targets": (
+        "max_ppl_increase", "max_kld", "min_top1_agreement", "min_recovery", "min_task_recovery", "max_size_gb",
+        "min_decode_tps", "gpu", "context", "concurrency", "runtime", "require_recommendation",
+    ),
+    "Output": ("out", "force", "plan_only", "as_json", "push_to_hub", "private", "gguf_repos", "split_size"),
+}  # fmt: skip
+
+
+class SectionedCommand(click.Command):
+    """A command whose --help lists its options under HELP_SECTIONS' headings."""
+
+    def format_options(self, ctx, formatter) -> None:
+        section_of = {name: title for title, names in HELP_SECTIONS.items() for name in names}
+        records: dict[str, list] = {title: [] for title in [*HELP_SECTIONS, "Other options"]}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx) if isinstance(param, click.Option) else None  # MODEL: in Usage
+            if record:
+                title = "Output" if "--help" in param.opts else section_of.get(param.name or "", "Other options")
+                records[title].append(record)
+        for title, rows in records.items():
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+
 @click.group(cls=QuantforgeGroup)
 @click.version_option(__version__, prog_name="quantforge")
 def main() -> None:
@@ -213,7 +248,7 @@ def main() -> None:
     _quiet_libraries()
 
 
-@main.command()
+@main.command(cls=SectionedCommand)
 @click.argument("model", required=False)
 @click.option("--out", type=click.Path(path_type=Path), help="Run directory. Default: runs/<model name>.")
 @click.option("--recipe", "recipe_file", type=click.Path(path_type=Path), help="A recipe YAML file.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import click
 import pytest
 import yaml
 from conftest import TASKS_DATA, quantforge_cli
@@ -58,6 +59,19 @@ def test_every_setting_with_a_flag_is_a_build_option_named_after_it():
             assert setting.name in options, setting.name
             assert setting.flag.split("/")[0] in options[setting.name].opts, setting.name
             assert unset[setting.name] is None, setting.name  # not given: the recipe's value or the default applies
+
+
+def test_build_help_lists_every_option_under_a_section():
+    from click.testing import CliRunner
+
+    from quantforge.cli import HELP_SECTIONS
+
+    sectioned = {name for names in HELP_SECTIONS.values() for name in names}
+    options = {param.name for param in build_command.params if isinstance(param, click.Option)}
+    assert options <= sectioned, options - sectioned
+    shown = CliRunner().invoke(build_command, ["--help"]).output
+    headings = [line.rstrip(":") for line in shown.splitlines() if line and not line.startswith(" ")]
+    assert headings[-len(HELP_SECTIONS) :] == list(HELP_SECTIONS) and "Other options" not in shown
 
 
 def _as_file_mapping(values: dict) -> dict:
