@@ -409,12 +409,12 @@ def _print_card(card: dict, as_json: bool, ui) -> None:
 )
 def setup(sdist, tools):
     """Fetch llama.cpp's GGUF converter for the installed llama-cpp-python into the cache (once; then offline)."""
-    from .llamacpp_convert import describe, install_converter, supported_architectures
+    from .backends.llamacpp.convert import describe, install_converter, supported_architectures
 
     folder = install_converter(sdist)
     click.echo(f"{describe()}: {folder} ({len(supported_architectures())} architectures)")
     if tools:
-        from .llamacpp_tools import SETUP_TOOLS, build_tools
+        from .backends.llamacpp.tools import SETUP_TOOLS, build_tools
 
         for name, path in build_tools(SETUP_TOOLS, sdist=sdist, log=lambda line: click.echo(line, err=True)).items():
             click.echo(f"{name}: {path}")

@@ -297,8 +297,8 @@ def gpu_memory_free(device: str) -> int | None:
 
 def measure_host(threads: int, device: str = "cpu", llamacpp: bool = False) -> HostSpeed:
     """This host's rates and free memory; llama.cpp's own rate only when the build runs llama.cpp (0.5 s)."""
+    from .backends.llamacpp.rate import ggml_offloads_to_cuda, measure_ggml_gflops
     from .device import cpu_multiplies_bf16
-    from .ggml_rate import ggml_offloads_to_cuda, measure_ggml_gflops
 
     ggml = measure_ggml_gflops(threads) if llamacpp else None
     return HostSpeed(
@@ -649,12 +649,12 @@ def plan_stages(size: ModelSize, inputs: PlanInputs, host: HostSpeed, chosen_dty
             repacked = 0 if offload else _repacked_bytes(size, quant_key)
             held = artifact + _llama_window_bytes(size, inputs.context) + repacked
             if costs == "gguf-search":
-                # gguf-auto's search (backends/ggufauto.py), in the quantize child: its candidates made by
+                # gguf-auto's search (backends/llamacpp/auto.py), in the quantize child: its candidates made by
                 # llama-quantize (a process of its own) and scored in the child on a few windows, one confirmed on
                 # all of them, the chosen file made. The child holds its libraries throughout (torch too: the
                 # scoring's scratch), then either llama-quantize runs beside it or a candidate's runner is in it.
-                from .backends.ggufauto import LADDER, SENSITIVITY_WINDOWS
                 from .backends.llamacpp import NOMINAL_BITS
+                from .backends.llamacpp.auto import LADDER, SENSITIVITY_WINDOWS
 
                 few = min(SENSITIVITY_WINDOWS, inputs.windows) / max(inputs.windows, 1)
                 rounds = 1 + (len(LADDER) - 1) * SEARCH_GROUPS

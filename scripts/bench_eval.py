@@ -113,7 +113,7 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--gen-tokens", type=int, default=64)
     args = parser.parse_args()
-    from quantforge.llamacpp_convert import convert_hf_to_gguf
+    from quantforge.backends.llamacpp.convert import convert_hf_to_gguf
     from quantforge.source import BUNDLED
 
     model = args.model or BUNDLED["smollm2-135m"](print)

@@ -100,7 +100,7 @@ def their_run(
     """llama.cpp's own tools on the same model folder, text and windows, scoring the positions quantforge scores,
     in the same OpenMP environment: each step's seconds and peak memory, and each format's perplexity as
     llama-perplexity printed it."""
-    from quantforge.llamacpp_convert import find_converter
+    from quantforge.backends.llamacpp.convert import find_converter
 
     f16 = out / "model-f16.gguf"
     converter = find_converter()

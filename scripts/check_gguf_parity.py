@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Compare quantforge's GGUF path with llama.cpp's own tools run by hand, byte for byte.
 
-quantforge's side: ``quantforge.llamacpp_convert.convert_hf_to_gguf`` (the converter parts quantforge keeps in its
-cache) and ``quantize_gguf`` (llama_model_quantize through llama-cpp-python), as a build runs them.
+quantforge's side: ``quantforge.backends.llamacpp.convert.convert_hf_to_gguf`` (the converter parts quantforge
+keeps in its cache) and ``quantize_gguf`` (llama_model_quantize through llama-cpp-python), as a build runs them.
 
 llama.cpp's side, which shares none of that code path: convert_hf_to_gguf.py run from the *whole* vendored tree of
 the llama-cpp-python sdist matching the installed version (fetched with pip into a scratch folder, never into this
@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from quantforge.backends.llamacpp import quantize_gguf  # noqa: E402
-from quantforge.llamacpp_convert import convert_hf_to_gguf  # noqa: E402
-from quantforge.llamacpp_tools import require_tool, source_tree  # noqa: E402
+from quantforge.backends.llamacpp.convert import convert_hf_to_gguf  # noqa: E402
+from quantforge.backends.llamacpp.tools import require_tool, source_tree  # noqa: E402
 from quantforge.source import BUNDLED  # noqa: E402
 
 NAMING_PREFIX = "general."

@@ -110,7 +110,7 @@ def main() -> int:
         work = Path(scratch)
         base, quant = args.base, args.quant
         if base is None:
-            from quantforge.llamacpp_convert import convert_hf_to_gguf
+            from quantforge.backends.llamacpp.convert import convert_hf_to_gguf
             from quantforge.source import BUNDLED
 
             base = work / "smollm2-f16.gguf"

@@ -37,7 +37,7 @@ fi
 
 # llama.cpp compiles on install, once: llama-cpp-python's build also makes llama.cpp's tools (llama-imatrix and
 # llama-quantize for importance-matrix GGUFs, llama-perplexity for the checks), linked against the same shared
-# libraries and installed in the wheel's bin/ (quantforge/llamacpp_tools.py finds them there). The server is left
+# libraries and installed in the wheel's bin/ (quantforge/backends/llamacpp/tools.py finds them there). The server is left
 # out (its web UI is the slowest part), and llama-cpp-python's own multimodal build, which would add llama.cpp's
 # tools/mtmd a second time. Plain AVX2 rather than -march=native: the native build enables Intel AMX on CPUs that
 # advertise it, and its AMX matrix kernel segfaults on the VMs we run on (measured). --no-cache-dir keeps pip from

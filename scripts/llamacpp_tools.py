@@ -1,5 +1,5 @@
 """llama.cpp's own command-line tools for the benchmarks (llama-perplexity, llama-bench, ...): built once by
-quantforge.llamacpp_tools from the vendored tree of the installed llama-cpp-python, with the flags
+quantforge.backends.llamacpp.tools from the vendored tree of the installed llama-cpp-python, with the flags
 scripts/install.sh uses for the Python package, so that timings compare like with like.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from quantforge.llamacpp_tools import build_tools  # noqa: E402
+from quantforge.backends.llamacpp.tools import build_tools  # noqa: E402
 
 
 def tool(name: str) -> Path:

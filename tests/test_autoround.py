@@ -186,7 +186,7 @@ def test_the_importance_matrix_is_the_mean_square_of_each_input_column(both_run,
     seqlen = reader.fields["imatrix.chunk_size"].contents()
     assert stored["blk.0.attn_q.weight.counts"][0] == chunks * seqlen
 
-    from quantforge.backends.imatrix import joined_calibration_text
+    from quantforge.backends.llamacpp.imatrix import joined_calibration_text
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     calibration = np.load(both_run / "work" / "calibration.npy")

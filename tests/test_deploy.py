@@ -86,7 +86,7 @@ def test_memory_fit_of_a_gguf_falls_back_to_llama_cpps_q8_0_kv_cache():
 def _llama_cpp_options() -> dict[str, tuple[set[str], set[str]]]:
     """Option name -> (examples it is declared for, examples it is excluded from), from llama.cpp's arg.cpp as
     vendored in the installed llama-cpp-python (kept beside the converter by `quantforge setup`)."""
-    from quantforge.llamacpp_convert import converter_dir
+    from quantforge.backends.llamacpp.convert import converter_dir
 
     arg_cpp = converter_dir() / "common" / "arg.cpp"
     assert arg_cpp.exists(), f"{arg_cpp} is missing: run 'quantforge setup' (scripts/install.sh does)"
@@ -126,7 +126,7 @@ def test_the_kv_cache_types_we_offer_are_llama_cpps_and_take_flash_attention_on(
     """Each KV type quantforge measures (and writes after -ctk/-ctv) is in arg.cpp's list of cache types, and
     "on" is a value -fa declares."""
     from quantforge.backends.llamacpp import KV_CACHE_BYTES
-    from quantforge.llamacpp_convert import converter_dir
+    from quantforge.backends.llamacpp.convert import converter_dir
 
     arg_cpp = (converter_dir() / "common" / "arg.cpp").read_text()
     table = arg_cpp[arg_cpp.index("kv_cache_types = {") : arg_cpp.index("};", arg_cpp.index("kv_cache_types = {"))]

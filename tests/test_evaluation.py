@@ -212,7 +212,7 @@ RUNNING_PERPLEXITY = re.compile(r"\[(\d+)\](\d+\.\d+),")  # llama-perplexity's "
 
 def _llama_perplexity(gguf: Path, context: int, windows: int, *flags: str) -> list[float]:
     """llama-perplexity's running perplexity after each window of the text file, as it prints it."""
-    from quantforge.llamacpp_tools import require_tool
+    from quantforge.backends.llamacpp.tools import require_tool
 
     command = [str(require_tool("llama-perplexity")), "-m", str(gguf), "-f", str(WIKITEXT), "-c", str(context)]
     command += ["-b", str(context), "--chunks", str(windows), "-t", "2", *flags]

@@ -97,7 +97,7 @@ def test_the_mix_meets_its_target_with_its_interval_and_is_smaller_than_the_unif
 
 def test_llama_quantize_alone_remakes_the_file_byte_for_byte_from_the_card(resumed_run, tmp_path):
     """The card's command, run in the run's work/ folder with the artifact's tensor-type file: the same bytes."""
-    from quantforge.llamacpp_tools import require_tool
+    from quantforge.backends.llamacpp.tools import require_tool
 
     run, _, _ = resumed_run
     facts = _auto(run)["quantize"]

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from quantforge.backends.llamacpp import LlamaCppRunner, gguf_adds_bos, quantize_gguf, tensor_types
+from quantforge.backends.llamacpp.convert import architecture_problem, convert_hf_to_gguf, supported_architectures
 from quantforge.errors import QuantforgeError
 from quantforge.evaluate import bos_token_id, log_softmax
-from quantforge.llamacpp_convert import architecture_problem, convert_hf_to_gguf, supported_architectures
 from quantforge.runners import TorchRunner
 
 # "The capital of France is Paris. In 2024, 12345 ..." in SmolLM2's tokenizer (every tiny model uses it).

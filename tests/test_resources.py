@@ -74,7 +74,7 @@ def test_llamacpp_evaluation_is_timed_at_ggmls_measured_rate_and_torch_stages_at
 
 
 def test_ggml_rate_is_measured_in_llamacpps_library_and_a_broken_library_gives_none(tmp_path, monkeypatch):
-    from quantforge import ggml_rate
+    from quantforge.backends.llamacpp import rate as ggml_rate
 
     # The child checks ggml's product against numpy's before it reports a rate.
     assert 1 < ggml_rate.measure_ggml_gflops(2) < 100_000
@@ -126,7 +126,7 @@ def test_on_cuda_each_process_that_computes_there_adds_a_cuda_context():
 
 
 def test_ggml_offload_is_read_from_llamacpps_libraries(tmp_path, monkeypatch):
-    from quantforge import ggml_rate
+    from quantforge.backends.llamacpp import rate as ggml_rate
 
     assert ggml_rate.ggml_offloads_to_cuda() is False  # this machine's llama.cpp is built for the CPU
     (tmp_path / "libggml-cuda.so").write_bytes(b"")

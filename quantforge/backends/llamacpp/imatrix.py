@@ -3,7 +3,7 @@
 The matrix (per weight matrix, the mean square of each input column's activations) is collected by llama.cpp's
 own ``llama-imatrix`` running the run's F16 GGUF over the run's shared calibration set, and handed to llama.cpp's
 ``llama-quantize --imatrix``; both are built from the same llama.cpp as the library that loads the files
-(``quantforge.llamacpp_tools``). The matrix is an intermediate of the run: made once, used by every asked K-quant.
+(``tools.py`` here). The matrix is an intermediate of the run: made once, used by every asked K-quant.
 
 llama-imatrix reads text, not token ids: the calibration sequences are decoded back to text and llama.cpp cuts
 the re-tokenized text into chunks of the same length, as many as there are sequences (a chunk fewer when the
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..device import llama_tool_gpu_args
-from ..logs import run_logged
-from ..openmp import wait_briefly
-from . import Intermediate, QuantizeJob
-from .llamacpp import (
+from ...device import llama_tool_gpu_args
+from ...logs import run_logged
+from ...openmp import wait_briefly
+from .. import Intermediate, QuantizeJob
+from . import (
     F16_GGUF,
     FILE_TYPES,
     NEEDS_IMATRIX,
@@ -47,7 +47,7 @@ def calibration_text(job: QuantizeJob) -> tuple[str, int, int]:
     """The run's calibration set as llama-imatrix's text: (text, sequences, tokens per sequence)."""
     from transformers import AutoTokenizer
 
-    from .hf import load_calibration
+    from ..hf import load_calibration
 
     calibration = load_calibration(job.calibration)
     tokenizer = AutoTokenizer.from_pretrained(job.source.path)
@@ -60,7 +60,7 @@ def _run_tool(command: list[str], log_path: Path, what: str, cwd: Path | None = 
 
 
 def build_importance_matrix(job: QuantizeJob) -> dict:
-    from ..llamacpp_tools import build_tools
+    from .tools import build_tools
 
     tool = build_tools(log=job.log)["llama-imatrix"]
     text, sequences, seqlen = calibration_text(job)
@@ -93,7 +93,7 @@ class LlamaCppImatrixBackend(LlamaCppBackend):
     needs_calibration = True
 
     def check(self, source, fmt, settings: dict) -> list[str]:
-        from ..llamacpp_tools import PRODUCT_TOOLS, cmake_path, find_tool
+        from .tools import PRODUCT_TOOLS, cmake_path, find_tool
 
         if any(find_tool(name) is None for name in PRODUCT_TOOLS):
             cmake_path()  # they will be built on first use; without cmake, a one-line error now, before any work
@@ -103,8 +103,8 @@ class LlamaCppImatrixBackend(LlamaCppBackend):
         return {"gguf-f16": F16_GGUF, "imatrix": IMPORTANCE_MATRIX}
 
     def quantize(self, job: QuantizeJob) -> dict:
-        from ..llamacpp_convert import describe
-        from ..llamacpp_tools import build_tools
+        from .convert import describe
+        from .tools import build_tools
 
         tool = build_tools(log=job.log)["llama-quantize"]
         scheme = FILE_TYPES[job.format.name][0]

@@ -37,11 +37,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import QuantforgeError
-from ..fsutil import atomic_write_json, remove_path
-from . import Format, QuantizeJob
+from ...errors import QuantforgeError
+from ...fsutil import atomic_write_json, remove_path
+from .. import Format, QuantizeJob
+from . import GGUF_RUNTIMES, fallback_tensors, tensor_types
 from .imatrix import LlamaCppImatrixBackend, _run_tool
-from .llamacpp import GGUF_RUNTIMES, fallback_tensors, tensor_types
 
 # The types each group may take (llama.cpp's names, as llama-quantize reads them), least bits first; the base
 # type every group starts from; the file type llama-quantize is given (its rules then decide nothing: every
@@ -72,7 +72,7 @@ def auto_format() -> Format:
 
 def tensor_groups(f16: Path) -> dict[str, list[str]]:
     """Group -> tensor names, for the weight matrices llama-quantize quantizes (two or more dimensions)."""
-    from ..artifacts import gguf_tensors
+    from ...artifacts import gguf_tensors
 
     groups: dict[str, list[str]] = {}
     for tensor in gguf_tensors(f16):
@@ -105,7 +105,7 @@ class Scorer:
     """Scores GGUF files from disk in llama.cpp against the run's reference on its evaluation windows."""
 
     def __init__(self, windows: Path, reference: Path, first: int, threads: int):
-        from ..evaluate import load_reference
+        from ...evaluate import load_reference
 
         self.windows = np.load(windows)
         self.refs = load_reference(reference)
@@ -115,9 +115,9 @@ class Scorer:
     def score(self, gguf: Path, count: int) -> dict:
         from functools import partial
 
-        from ..evaluate import score_artifact, scored_logit_blocks
-        from ..uncertainty import window_intervals
-        from .llamacpp import LlamaCppRunner
+        from ...evaluate import score_artifact, scored_logit_blocks
+        from ...uncertainty import window_intervals
+        from . import LlamaCppRunner
 
         windows = self.windows[:count]
         runner = LlamaCppRunner(gguf, context=int(windows.shape[1]), threads=self.threads)
@@ -140,7 +140,7 @@ class Search:
     """One gguf-auto search: candidates made, measured and remembered in ``folder`` (resumable)."""
 
     def __init__(self, job: QuantizeJob, settings: dict, folder: Path):
-        from ..llamacpp_tools import build_tools
+        from .tools import build_tools
 
         self.job = job
         self.tool = build_tools(log=job.log)["llama-quantize"]
@@ -267,7 +267,7 @@ class GGUFAutoBackend(LlamaCppImatrixBackend):
         return "gguf-search"
 
     def quantize(self, job: QuantizeJob) -> dict:
-        from ..llamacpp_convert import describe
+        from .convert import describe
 
         settings = job.settings.get("search") or {}
         if settings.get("max_kld") is None and settings.get("max_size") is None:

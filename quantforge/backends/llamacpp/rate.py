@@ -115,7 +115,8 @@ def measure_ggml_gflops(threads: int, seconds: float = 0.3, timeout: float = 30.
     if library_dir is None:
         return None
     code = (
-        f"import sys; from quantforge.ggml_rate import _measure_in_this_process as m; print(m(sys.argv[1], {seconds}))"
+        "import sys; from quantforge.backends.llamacpp.rate import _measure_in_this_process as m; "
+        f"print(m(sys.argv[1], {seconds}))"
     )
     try:
         done = subprocess.run(

@@ -28,8 +28,8 @@ import tarfile
 from functools import lru_cache
 from pathlib import Path
 
-from . import install_hint
-from .errors import QuantforgeError
+from ... import install_hint
+from ...errors import QuantforgeError
 
 DISTRIBUTION = "llama-cpp-python"
 # What the converter needs of the vendored tree: the script, its per-architecture package, its own gguf-py; and
@@ -66,7 +66,7 @@ def environment_shares(kind: str, version: str) -> list[Path]:
 def converter_dirs(version: str | None = None) -> list[Path]:
     """Where the converter may be kept, most preferred first: beside the environment that holds llama-cpp-python
     (it belongs to that installation, whatever cache a run points QUANTFORGE_CACHE at), else the user's cache."""
-    from .source import cache_root
+    from ...source import cache_root
 
     version = version or runtime_version()
     return [*environment_shares("llama.cpp-convert", version), cache_root() / "llama.cpp-convert" / version]
@@ -107,7 +107,7 @@ def _is_part(relative: str) -> bool:
 
 def install_converter(sdist: Path | None = None) -> Path:
     """Unpack the converter's parts of the sdist into the cache (atomically); return the folder."""
-    from .fsutil import partial_name, remove_path
+    from ...fsutil import partial_name, remove_path
 
     version = runtime_version()
     target = converter_dir(version)
@@ -218,7 +218,7 @@ def convert_hf_to_gguf(
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(converter / "gguf-py"), env.get("PYTHONPATH")]))
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if peak_file.exists():
-            from .memory import note_child_peak
+            from ...memory import note_child_peak
 
             note_child_peak(int(peak_file.read_text()))
     if log_path is not None:

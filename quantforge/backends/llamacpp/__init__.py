@@ -1,7 +1,9 @@
 """GGUF formats through llama.cpp's own converter and quantizer, at the llama.cpp version llama-cpp-python runs.
 
-The F16 file is a shared intermediate of the run: converted once (``quantforge.llamacpp_convert``), quantized into
-every asked GGUF type by ``llama_model_quantize``.
+The F16 file is a shared intermediate of the run: converted once (``convert.py`` here), quantized into every asked
+GGUF type by ``llama_model_quantize``. The package holds all of llama.cpp's code: the backend here, ``convert``
+(llama.cpp's converter), ``tools`` (its llama-quantize/llama-imatrix), ``rate`` (ggml's measured multiply rate),
+``imatrix`` (the importance-matrix backend) and ``auto`` (gguf-auto's search).
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import QuantforgeError
-from ..logs import capture_output
-from ..openmp import wait_briefly
-from . import Backend, Deployment, Format, Intermediate, LogitsRunner, QuantizeJob
+from ...errors import QuantforgeError
+from ...logs import capture_output
+from ...openmp import wait_briefly
+from .. import Backend, Deployment, Format, Intermediate, LogitsRunner, QuantizeJob
 
 GGUF_RUNTIMES = ("llama.cpp", "ollama")
 
@@ -73,7 +75,7 @@ def gguf_file_in(folder: Path) -> Path:
 
 
 def tensor_types(gguf_path: Path) -> dict[str, str]:
-    from ..artifacts import gguf_tensors
+    from ...artifacts import gguf_tensors
 
     return {tensor.name: tensor.tensor_type.name for tensor in gguf_tensors(gguf_path)}
 
@@ -119,7 +121,7 @@ class LlamaCppRunner:
         import llama_cpp
         from llama_cpp import Llama
 
-        from ..device import llama_gpu_params
+        from ...device import llama_gpu_params
 
         # Every layer on the chosen GPU when one was chosen and this llama.cpp build can offload (a CUDA build).
         gpu = llama_gpu_params(device, llama_cpp.llama_supports_gpu_offload())
@@ -200,7 +202,7 @@ class LlamaCppRunner:
                 yield start + skipped, rows[: wanted - start - skipped]
 
     def close(self) -> None:
-        from ..memory import release_freed_memory
+        from ...memory import release_freed_memory
 
         if self.llm is not None:
             self.llm.close()
@@ -210,7 +212,7 @@ class LlamaCppRunner:
 
 def convert_f16(job: QuantizeJob) -> dict:
     """The F16 GGUF every llama.cpp format is quantized from, by llama.cpp's own converter."""
-    from ..llamacpp_convert import convert_hf_to_gguf
+    from .convert import convert_hf_to_gguf
 
     source, log_path = job.source, job.log_dir / "convert-gguf.log"
     return convert_hf_to_gguf(source.path, job.out, outtype="f16", name=source.name, log_path=log_path)
@@ -233,7 +235,7 @@ class LlamaCppBackend(Backend):
     quantizes_in_transformers = False  # llama.cpp's quantizer reads the F16 GGUF
 
     def check(self, source, fmt: Format, settings: dict) -> list[str]:
-        from ..llamacpp_convert import find_converter
+        from .convert import find_converter
 
         find_converter()  # not installed: a one-line error saying how to install it, before any work
         tokenizer_files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken")
@@ -242,7 +244,7 @@ class LlamaCppBackend(Backend):
         return []
 
     def unsupported(self, source, fmt: Format) -> str | None:
-        from ..llamacpp_convert import architecture_problem
+        from .convert import architecture_problem
 
         return architecture_problem(source.config.get("architecture"))
 
@@ -250,7 +252,7 @@ class LlamaCppBackend(Backend):
         return {"gguf-f16": F16_GGUF}
 
     def quantize(self, job: QuantizeJob) -> dict:
-        from ..llamacpp_convert import describe
+        from .convert import describe
 
         f16 = job.intermediate("gguf-f16")
         scheme, ftype = FILE_TYPES[job.format.name]
@@ -278,7 +280,7 @@ class LlamaCppBackend(Backend):
     def open_runner(
         self, artifact_dir: Path, *, context: int, threads: int, device: str = "cpu", kv_cache: str | None = None
     ) -> LogitsRunner:
-        from ..artifacts import gguf_tensors
+        from ...artifacts import gguf_tensors
 
         gguf = self.artifact_file(artifact_dir)
         gguf_tensors(gguf)  # a damaged file gets a clear error, not a crash in C
@@ -289,7 +291,7 @@ class LlamaCppBackend(Backend):
 
     def deployment(self, folder: Path, card: dict, entry: dict, chat: tuple[str | None, dict]) -> Deployment:
         """The llama.cpp commands and an Ollama Modelfile (with a TEMPLATE when the chat template converts)."""
-        from ..deploy import (
+        from ...deploy import (
             chat_template_to_ollama,
             llama_cli_command,
             llama_server_command,
@@ -297,7 +299,7 @@ class LlamaCppBackend(Backend):
             ollama_command,
             serving,
         )
-        from ..fsutil import atomic_write_text
+        from ...fsutil import atomic_write_text
 
         template, special = chat
         fit = next(iter(entry.get("memory_fit", {}).values()), None) if card["targets"].get("gpu") else None
@@ -349,6 +351,6 @@ def _kv_cache_notes(entry: dict, fit: dict | None, chosen: str | None) -> list[s
 
 def gguf_adds_bos(path: Path) -> bool:
     """Whether llama.cpp adds BOS itself when it tokenizes a prompt for this GGUF."""
-    from ..artifacts import gguf_metadata_value
+    from ...artifacts import gguf_metadata_value
 
     return bool(gguf_metadata_value(path, "tokenizer.ggml.add_bos_token"))

@@ -25,9 +25,9 @@ import sys
 import tarfile
 from pathlib import Path
 
-from .errors import QuantforgeError
-from .llamacpp_convert import _download_sdist, _writable, environment_shares, runtime_version
-from .logs import run_logged
+from ...errors import QuantforgeError
+from ...logs import run_logged
+from .convert import _download_sdist, _writable, environment_shares, runtime_version
 
 PRODUCT_TOOLS = ("llama-imatrix", "llama-quantize")
 # What 'quantforge setup --tools' builds: the product's tools and llama-perplexity, the independent side of the
@@ -60,7 +60,7 @@ def package_tool_dir() -> Path | None:
 
 def tool_dirs(version: str | None = None) -> list[Path]:
     """Where the tools we build are kept, most preferred first (as for the converter: beside the environment)."""
-    from .source import cache_root
+    from ...source import cache_root
 
     version = version or runtime_version()
     return [*environment_shares("llama.cpp-tools", version), cache_root() / "llama.cpp-tools" / version]
@@ -98,7 +98,7 @@ def source_tree(scratch: Path, sdist: Path | None = None) -> Path:
 
 def build_tools(names: tuple[str, ...] = PRODUCT_TOOLS, sdist: Path | None = None, log=print) -> dict[str, Path]:
     """Build the named tools that are missing (several CPU-minutes), install them atomically, return their paths."""
-    from .fsutil import partial_name, remove_path
+    from ...fsutil import partial_name, remove_path
 
     missing = [name for name in names if find_tool(name) is None]
     if missing:
