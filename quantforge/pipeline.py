@@ -823,7 +823,7 @@ class Build:
                 command = [
                     sys.executable,
                     "-m",
-                    "quantforge.probe",
+                    "quantforge.probe_process",
                     "--runtime",
                     runtime,
                     "--path",
@@ -893,7 +893,7 @@ class Build:
         buffer_bytes = bandwidth_buffer_bytes()
 
         def produce():
-            command = [sys.executable, "-m", "quantforge.probe", "--bandwidth", "--threads", str(threads)]
+            command = [sys.executable, "-m", "quantforge.probe_process", "--bandwidth", "--threads", str(threads)]
             with self.ui.task("measure memory bandwidth"):
                 done = subprocess.run([*command, "--buffer-bytes", str(buffer_bytes)], capture_output=True, text=True)
                 if done.returncode != 0:

@@ -149,7 +149,7 @@ def main() -> int:
             [
                 sys.executable,
                 "-m",
-                "quantforge.probe",
+                "quantforge.probe_process",
                 "--runtime",
                 "llama.cpp",
                 "--path",

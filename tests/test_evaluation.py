@@ -472,7 +472,7 @@ def test_probe_memory_is_the_probes_own_not_its_parents(tiny_run, tmp_path):
     gguf = next((tiny_run / "artifacts" / "gguf-q8_0").glob("*.gguf"))
     prompt = tmp_path / "prompt.npy"
     np.save(prompt, np.arange(100, 116, dtype=np.int32))
-    command = [sys.executable, "-m", "quantforge.probe", "--runtime", "llama.cpp", "--path", str(gguf)]
+    command = [sys.executable, "-m", "quantforge.probe_process", "--runtime", "llama.cpp", "--path", str(gguf)]
     command += ["--prompt", str(prompt), "--gen-tokens", "4", "--threads", "2", "--runs", "1"]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     peak = json.loads(done.stdout.strip().splitlines()[-1])["peak_rss_mb"]

@@ -68,7 +68,7 @@ def test_a_reference_failure_stops_the_build_and_keeps_the_tokens(tiny_llama, tm
 
 
 def test_a_failed_speed_probe_of_the_reference_leaves_its_speed_out_and_the_rest_measured(tiny_llama, tmp_path):
-    fault = "transformers.models.auto.auto_factory:_BaseAutoModelClass.from_pretrained@quantforge.probe"
+    fault = "transformers.models.auto.auto_factory:_BaseAutoModelClass.from_pretrained@quantforge.probe_process"
     out = tmp_path / "run"
     args = ("--speed", "--prompt-tokens", "8", "--gen-tokens", "4")
     result = build_with_fault(tiny_llama, out, fault, *args)

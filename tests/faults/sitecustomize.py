@@ -2,10 +2,10 @@
 
 Put this folder on PYTHONPATH and set QUANTFORGE_TEST_FAULT to ``module:Qualified.name@argv`` or
 ``module:Qualified.name@argv#caller``: in every process whose command line contains ``argv`` (``quantforge.cli`` for
-the build process, ``quantforge.probe`` for a speed probe), that function raises ``RuntimeError`` once its module is
-imported; with ``#caller``, only when the function calling it has that name (the calibration set's tokenizer call,
-not the evaluation text's). Nothing else changes: the build runs the real libraries, and only the named call fails,
-as a library's bug or a broken install would make it fail.
+the build process, ``quantforge.probe_process`` for a speed probe), that function raises ``RuntimeError`` once its
+module is imported; with ``#caller``, only when the function calling it has that name (the calibration set's
+tokenizer call, not the evaluation text's). Nothing else changes: the build runs the real libraries, and only the
+named call fails, as a library's bug or a broken install would make it fail.
 
 QUANTFORGE_TEST_KILL_AFTER, ``module:Qualified.name@argv%N``, instead lets the function run and kills its own process
 (SIGKILL, as the system's out-of-memory killer or a power cut would end it) right after its Nth call returns: a
