@@ -143,7 +143,7 @@ def _free_port() -> int:
 
 
 def _usage_commands(readme: str) -> list[str]:
-    block = readme.split("```bash\n", 1)[1].split("```", 1)[0]
+    block = readme.split("## Usage", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     return [line for line in block.splitlines() if line.startswith("mlx_lm.")]
 
 
