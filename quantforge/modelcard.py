@@ -9,6 +9,7 @@ comes from the run's card and the source's own files; nothing depends on the car
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 from pathlib import Path
 
@@ -153,8 +154,6 @@ def _made_by(card: dict) -> list[str]:
     command = provenance.get("command")
     if not command:
         return []
-    import shlex
-
     words = shlex.split(command)
     kept = [w for i, w in enumerate(words) if w != "--out" and (i == 0 or words[i - 1] != "--out")]
     return [

@@ -52,13 +52,20 @@ def describe() -> str:
     return f"llama.cpp's convert_hf_to_gguf.py (as vendored in llama-cpp-python {runtime_version()})"
 
 
+def package_folder() -> Path | None:
+    """The installed ``llama_cpp`` package's folder, found without importing it (its libraries, its tools' ``bin/``
+    beside it and its environment are located from here)."""
+    spec = importlib.util.find_spec("llama_cpp")
+    return Path(spec.origin).parent if spec and spec.origin else None
+
+
 def environment_shares(kind: str, version: str) -> list[Path]:
     """``share/quantforge/<kind>/<version>`` of the running environment and of the one that holds llama-cpp-python,
     when that is another (a venv that reaches its packages through a .pth line or the system's site-packages)."""
     folders = [Path(sys.prefix)]
-    spec = importlib.util.find_spec("llama_cpp")
-    if spec and spec.origin:  # <prefix>/lib/pythonX.Y/site-packages/llama_cpp/__init__.py
-        folders.append(Path(spec.origin).parents[4])
+    package = package_folder()
+    if package:  # <prefix>/lib/pythonX.Y/site-packages/llama_cpp
+        folders.append(package.parents[3])
     unique = list(dict.fromkeys(folder.resolve() for folder in folders))
     return [folder / "share" / "quantforge" / kind / version for folder in unique]
 

@@ -18,7 +18,6 @@ Where they come from, first found first:
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shlex
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 
 from ...errors import QuantforgeError
 from ...logs import run_logged
-from .convert import _download_sdist, _writable, environment_shares, runtime_version
+from .convert import _download_sdist, _writable, environment_shares, package_folder, runtime_version
 
 PRODUCT_TOOLS = ("llama-imatrix", "llama-quantize")
 # What 'quantforge setup --tools' builds: the product's tools and llama-perplexity, the independent side of the
@@ -54,8 +53,8 @@ CMAKE_FLAGS = (
 def package_tool_dir() -> Path | None:
     """The ``bin/`` of the installed llama-cpp-python wheel (found without importing it), where its own build put
     llama.cpp's tools when it was built with them."""
-    spec = importlib.util.find_spec("llama_cpp")
-    return Path(spec.origin).parent.parent / "bin" if spec and spec.origin else None
+    package = package_folder()
+    return package.parent / "bin" if package else None
 
 
 def tool_dirs(version: str | None = None) -> list[Path]:
